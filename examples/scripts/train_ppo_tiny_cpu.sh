@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The tiny CPU demo: builds the offline tiny world, then trains it with openrlhf-ess through upstream's
+# real Ray + DeepSpeed + vLLM (CPU) pipeline. 2 cores, no GPU, no network.
+#   bash examples/scripts/train_ppo_tiny_cpu.sh [extra flags...]
+# Extra flags are passed through, e.g. --train.async_enable --train.partial_rollout_enable.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$(pwd)
+source scripts/env_cpu.sh
+
+RUN_DIR=${RUN_DIR:-$ROOT/runs/tiny_cpu}
+WORLD=$RUN_DIR/world
+mkdir -p "$RUN_DIR"
+python -m openrlhf_ess.tiny.world "$WORLD" --seed 0 --n_prompts ${N_PROMPTS:-64} > "$RUN_DIR/world.json"
+
+args=(
+   --actor.model_name_or_path "$WORLD/model"
+   --data.prompt_dataset "$WORLD/prompts.jsonl"
+   --data.input_key input
+   --data.label_key label
+   --reward.remote_url "$ROOT/openrlhf_ess/tiny/reward.py"
+   --algo.advantage.estimator reinforce_baseline
+   --algo.kl.init_coef 0
+   --actor.num_nodes 1
+   --actor.num_gpus_per_node 1
+   --vllm.num_engines 1
+   --vllm.tensor_parallel_size 1
+   --rollout.batch_size 8
+   --rollout.n_samples_per_prompt 4
+   --rollout.micro_batch_size 8
+   --train.batch_size 32
+   --train.micro_batch_size 8
+   --rollout.max_new_tokens 16
+   --data.max_len 64
+   --rollout.temperature 1.0
+   --train.num_episodes ${EPISODES:-4}
+   --actor.adam.lr 1e-3
+   --actor.lr_warmup_ratio 0
+   --actor.lr_scheduler constant
+   --ds.zero_stage 2
+   --ds.param_dtype bf16
+   --ds.attn_implementation sdpa
+   --train.seed 42
+   --ckpt.output_dir "$RUN_DIR/ckpt"
+   --ckpt.path "$RUN_DIR/ckpt/checkpoints"
+   --logger.tensorboard_dir "$RUN_DIR/tensorboard"
+   --logger.wandb.run_name tiny_cpu
+)
+
+python -m openrlhf_ess.cli.train_ppo_ray "${args[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"
+echo
+echo "logs:        $RUN_DIR/train.log"
+echo "tensorboard: $RUN_DIR/tensorboard   (tensorboard --logdir $RUN_DIR/tensorboard)"
+echo "model:       $RUN_DIR/ckpt"

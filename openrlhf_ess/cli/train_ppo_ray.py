@@ -1,0 +1,128 @@
+"""``python -m openrlhf_ess.cli.train_ppo_ray``: upstream's PPO Ray job plus openrlhf-ess.
+
+Accepts every flag of ``openrlhf.cli.train_ppo_ray`` (its parser and validation are upstream's own
+code) plus ours, then runs upstream's ``train(args)`` with our actor and engine classes. Also works
+under ``deepspeed --module openrlhf_ess.cli.train_ppo_ray`` (which appends ``--local_rank``) and
+``ray job submit -- python -m openrlhf_ess.cli.train_ppo_ray``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from typing import List, Optional
+
+from openrlhf_ess import cpu_compat
+
+cpu_compat.apply()
+
+from openrlhf_ess import config, upstream  # noqa: E402
+
+# Environment variables forwarded to every Ray worker, with the defaults the CPU stack needs.
+_FORWARDED_ENV = {
+    "TOKENIZERS_PARALLELISM": "true",
+    "NCCL_DEBUG": "WARN",
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": None,
+    "TORCH_EXTENSIONS_DIR": None,
+    "WANDB_MODE": None,
+    "WANDB_DIR": None,
+    "HF_HUB_OFFLINE": None,
+    "HF_DATASETS_OFFLINE": None,
+    "TRANSFORMERS_OFFLINE": None,
+    "DS_ACCELERATOR": None,
+}
+
+
+def build_parser():
+    parser = upstream.build_parser()
+    config.add_arguments(parser)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None):
+    """Parse ``argv`` with upstream's parser + ours; run upstream's then our validation.
+
+    Raises :class:`openrlhf_ess.config.ConfigError` (or upstream's ``AssertionError``) before any
+    model or Ray process starts.
+    """
+    parser = build_parser()
+    flat = parser.parse_args(argv)
+    args = upstream.finish_args(flat)
+    notices = config.validate(args)
+    return args, notices
+
+
+def _runtime_env() -> dict:
+    env = {}
+    for key, default in _FORWARDED_ENV.items():
+        value = os.environ.get(key, default)
+        if value is not None:
+            env[key] = value
+    return {"env_vars": env, "worker_process_setup_hook": "openrlhf_ess.cpu_compat.apply"}
+
+
+def init_ray(args) -> None:
+    """Start (or join) Ray with our worker set-up hook, so every worker applies the CPU patches."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = args.ray.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=_runtime_env())
+        return
+    temp_dir = args.ray.temp_dir
+    if temp_dir is None:
+        # Short path: Ray's unix sockets live under it and are limited to ~107 characters.
+        temp_dir = tempfile.mkdtemp(prefix="ray_ess_", dir="/tmp")
+        atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
+    num_gpus = None
+    if not cpu_compat.cuda_available():
+        num_gpus = args.ray.num_gpus or config.logical_gpus_needed(args)
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=max(8, os.cpu_count() or 1),
+        num_gpus=num_gpus,
+        _temp_dir=temp_dir,
+        runtime_env=_runtime_env(),
+    )
+
+
+def train(args) -> None:
+    """Run upstream's Ray job with our classes."""
+    from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActor
+    from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
+
+    init_ray(args)
+    try:
+        upstream.run_train(
+            args,
+            {"PolicyModelActor": PolicyModelActor, "create_vllm_engines": create_vllm_engines(args)},
+        )
+    finally:
+        import ray
+
+        ray.shutdown()
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    upstream.check_version()
+    try:
+        args, notices = parse_args(argv)
+    except config.ConfigError as e:
+        print(f"openrlhf-ess: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for notice in notices:
+        print(f"[openrlhf-ess] {notice}")
+    train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Our command-line flags and the one function that validates flag combinations.
+
+Flags follow upstream's dotted groups. Every check that involves more than one flag lives in
+:func:`validate`, which runs after upstream's own validation and before Ray or any model starts, and
+raises :class:`ConfigError` with a message naming the flags and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+from typing import List
+
+from openrlhf_ess import cpu_compat, upstream
+
+RELOAD_BACKEND = "reload"
+
+
+class ConfigError(ValueError):
+    """A bad flag or flag combination, found before any model is loaded."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add openrlhf-ess flags to upstream's parser, in their own ``--help`` group."""
+    upstream.extend_choices(parser, "ds.param_dtype", "fp32")
+    for action in parser._actions:
+        if action.dest == "vllm.sync_backend":
+            action.help = (
+                "DeepSpeed -> vLLM weight sync backend: nccl (upstream, GPU), gloo (upstream; broken without "
+                "NCCL: rejected on CPU), or reload (openrlhf-ess: ship weights as one safetensors blob through "
+                "Ray and load them with vLLM's reload_weights; works on CPU and GPU, costs one host copy of the "
+                "model per sync). On a machine without CUDA the default becomes reload."
+            )
+
+    group = parser.add_argument_group("openrlhf-ess: engine and machine")
+    group.add_argument(
+        "--vllm.dtype",
+        type=str,
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="dtype of the vLLM engines (upstream hard-codes bfloat16, the default). float32 makes rollout "
+        "log-probs match the trainer's to ~1e-5 on CPU; it doubles engine memory.",
+    )
+    group.add_argument(
+        "--vllm.cpu_kv_cache_gb",
+        type=float,
+        default=1.0,
+        help="KV-cache size per vLLM engine on a machine without CUDA (vLLM's CPU backend cannot size it from "
+        "--vllm.gpu_memory_utilization). Ignored where CUDA exists.",
+    )
+    group.add_argument(
+        "--ray.address",
+        type=str,
+        default=None,
+        help="Ray cluster to join (e.g. 'auto' under `ray job submit`). Default: the RAY_ADDRESS environment "
+        "variable if set, else a private local Ray instance bound to 127.0.0.1.",
+    )
+    group.add_argument(
+        "--ray.temp_dir",
+        type=str,
+        default=None,
+        help="Temp/session folder of the local Ray instance this command starts (default: a fresh folder "
+        "under /tmp, removed at exit).",
+    )
+    group.add_argument(
+        "--ray.num_gpus",
+        type=int,
+        default=None,
+        help="Logical GPUs the local Ray instance declares on a machine without CUDA, so upstream's GPU "
+        "placement groups can be scheduled (default: what the flags ask for). Ignored with --ray.address.",
+    )
+
+
+def logical_gpus_needed(args: types.SimpleNamespace) -> int:
+    """An upper bound on the GPU slots upstream's placement asks for (colocation only needs fewer)."""
+    total = args.actor.num_nodes * args.actor.num_gpus_per_node
+    total += (args.vllm.num_engines or 0) * args.vllm.tensor_parallel_size
+    if args.algo.kl.init_coef > 0:
+        total += args.ref.num_nodes * args.ref.num_gpus_per_node
+    if args.critic.model_name_or_path:
+        total += args.critic.num_nodes * args.critic.num_gpus_per_node
+    if not args.reward.remote_url:
+        total += args.reward.num_nodes * args.reward.num_gpus_per_node
+    return total
+
+
+def validate(args: types.SimpleNamespace) -> List[str]:
+    """Check flag combinations; fix the few that have one right answer and say so.
+
+    Returns notices for the user (what was changed and why). Raises :class:`ConfigError` for a
+    combination that would fail later or, worse, train on garbage.
+    """
+    notices: List[str] = []
+    on_cpu = not cpu_compat.cuda_available()
+
+    if args.actor.model_name_or_path is None:
+        raise ConfigError("--actor.model_name_or_path is required (a local HF model folder or hub name).")
+    if args.data.prompt_dataset is None:
+        raise ConfigError("--data.prompt_dataset is required (a JSON/JSONL file, folder or HF dataset name).")
+    if args.vllm.cpu_kv_cache_gb <= 0:
+        raise ConfigError(f"--vllm.cpu_kv_cache_gb must be > 0, got {args.vllm.cpu_kv_cache_gb}.")
+
+    if on_cpu:
+        if args.vllm.sync_backend == "nccl":
+            args.vllm.sync_backend = RELOAD_BACKEND
+            notices.append("no CUDA here: --vllm.sync_backend nccl -> reload (NCCL needs GPUs).")
+        elif args.vllm.sync_backend == "gloo" and args.vllm.num_engines:
+            raise ConfigError(
+                "--vllm.sync_backend gloo does not work without CUDA: vLLM's receiving side is a NCCL "
+                "communicator that disables itself and returns without data, so the engine would keep "
+                "generating from uninitialised weights. Use --vllm.sync_backend reload."
+            )
+        if "flash_attention" in args.ds.attn_implementation:
+            raise ConfigError(
+                f"--ds.attn_implementation {args.ds.attn_implementation} needs flash-attn and CUDA. "
+                "On CPU use --ds.attn_implementation sdpa (or eager)."
+            )
+        if args.ds.packing_samples or args.ds.ring_attn_size > 1:
+            raise ConfigError(
+                "--ds.packing_samples and --ds.ring_attn_size > 1 need flash-attn, which needs CUDA. "
+                "Drop them on CPU."
+            )
+        if args.vllm.enable_sleep:
+            raise ConfigError("--vllm.enable_sleep is not supported by vLLM's CPU backend. Drop it on CPU.")
+        if args.ds.adam_offload:
+            raise ConfigError("--ds.adam_offload offloads to CPU from a GPU; on a CPU-only machine drop it.")
+    if args.vllm.sync_backend not in ("nccl", "gloo", RELOAD_BACKEND):
+        raise ConfigError(
+            f"--vllm.sync_backend {args.vllm.sync_backend!r} is unknown: use nccl, gloo or {RELOAD_BACKEND}."
+        )
+    if args.vllm.sync_backend == RELOAD_BACKEND and args.vllm.sync_with_ray:
+        raise ConfigError("--vllm.sync_with_ray applies to nccl/gloo only; drop it with --vllm.sync_backend reload.")
+    if args.ds.param_dtype == "fp32" and not on_cpu:
+        notices.append("--ds.param_dtype fp32 on GPU: DeepSpeed trains in full precision (slower, exact).")
+    return notices

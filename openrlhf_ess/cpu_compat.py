@@ -1,0 +1,316 @@
+"""Let upstream OpenRLHF run on a machine without CUDA. A no-op where CUDA exists.
+
+Upstream assumes CUDA in a handful of places (measured on openrlhf 0.11.2, see shared/MEASURED.md):
+it imports ``flash_attn`` at module level, calls ``torch.cuda.{set_device,current_device,synchronize}``
+in the strategy, the actors and the replay buffer, and only knows bf16/fp16 parameters. Each patch
+below is one :class:`Patch` with
+
+- ``applies()``: the upstream code it works around is still there (so an upgrade that removes it
+  fails a test instead of leaving a dead patch),
+- ``needed()``: without the patch the call really fails on this machine,
+- ``apply()``: the patch itself, idempotent.
+
+``tests/test_cpu_compat.py`` checks the first two for every patch. Ray workers import modules fresh,
+so :func:`apply` is also installed as Ray's ``worker_process_setup_hook`` by the CLI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import importlib.util
+import inspect
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Callable, List
+
+_APPLIED = False
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _source_of(module: str, attr: str) -> str:
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return inspect.getsource(obj)
+
+
+def _raises(fn: Callable[[], object]) -> bool:
+    try:
+        fn()
+    except Exception:
+        return True
+    return False
+
+
+@dataclass
+class Patch:
+    name: str
+    why: str
+    applies: Callable[[], bool]
+    needed: Callable[[], bool]
+    apply: Callable[[], None]
+
+
+# ---- flash_attn import shim -------------------------------------------------------------------
+
+
+def _flash_attn_missing(*_args, **_kwargs):
+    raise RuntimeError(
+        "flash-attn is not installed (it cannot be built without CUDA). This code path needs it: "
+        "drop --ds.packing_samples / --ds.ring_attn_size on CPU, or install flash-attn on a GPU machine."
+    )
+
+
+def _install_flash_attn_shim() -> None:
+    if "flash_attn" in sys.modules or importlib.util.find_spec("flash_attn") is not None:
+        return
+    root = types.ModuleType("flash_attn")
+    root.__openrlhf_ess_shim__ = True
+    root.__path__ = []  # a package, so submodule imports resolve to the entries below
+    bert_padding = types.ModuleType("flash_attn.bert_padding")
+    for name in ("index_first_axis", "pad_input", "unpad_input"):
+        setattr(bert_padding, name, _flash_attn_missing)
+    from einops import rearrange
+
+    bert_padding.rearrange = rearrange
+    utils = types.ModuleType("flash_attn.utils")
+    utils.__path__ = []
+    distributed = types.ModuleType("flash_attn.utils.distributed")
+    distributed.all_gather = _flash_attn_missing
+    root.bert_padding, root.utils, utils.distributed = bert_padding, utils, distributed
+    shims = {
+        "flash_attn": root,
+        "flash_attn.bert_padding": bert_padding,
+        "flash_attn.utils": utils,
+        "flash_attn.utils.distributed": distributed,
+    }
+    for name, module in shims.items():
+        # A spec but no version and no __file__: transformers' availability probe reports "not installed".
+        module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=hasattr(module, "__path__"))
+    sys.modules.update(shims)
+
+
+def _flash_attn_needed() -> bool:
+    return importlib.util.find_spec("flash_attn") is None
+
+
+def _flash_attn_applies() -> bool:
+    spec = importlib.util.find_spec("openrlhf.models.ring_attn_utils")
+    with open(spec.origin) as f:
+        return "from flash_attn" in f.read()
+
+
+# ---- torch.cuda on a CPU machine --------------------------------------------------------------
+
+
+def _noop(*_args, **_kwargs) -> None:
+    return None
+
+
+def _cpu_device(*_args, **_kwargs) -> str:
+    return "cpu"
+
+
+def _patch_torch_cuda(attr: str, replacement: Callable) -> Callable[[], None]:
+    def apply() -> None:
+        import torch
+
+        original = getattr(torch.cuda, attr)
+        if getattr(original, "__openrlhf_ess_patch__", False):
+            return
+
+        def patched(*args, **kwargs):
+            return replacement(*args, **kwargs)
+
+        patched.__openrlhf_ess_patch__ = True
+        patched.__wrapped__ = original
+        setattr(torch.cuda, attr, patched)
+
+    return apply
+
+
+def _cuda_call_fails(attr: str, *args) -> Callable[[], bool]:
+    def needed() -> bool:
+        import torch
+
+        fn = getattr(torch.cuda, attr)
+        return _raises(lambda: getattr(fn, "__wrapped__", fn)(*args))
+
+    return needed
+
+
+def _upstream_calls(module: str, attr: str, needle: str) -> Callable[[], bool]:
+    return lambda: needle in _source_of(module, attr)
+
+
+# ---- the replay buffer's device ---------------------------------------------------------------
+
+
+def _patch_replay_buffer() -> None:
+    from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
+
+    original = NaiveReplayBuffer.__init__
+    if getattr(original, "__openrlhf_ess_patch__", False):
+        return
+
+    def __init__(self, *args, **kwargs):
+        # Upstream builds torch.device(f"cuda:{current_device()}"), which is invalid on CPU.
+        import torch
+
+        # It formats current_device() into "cuda:N", which "cpu" would make invalid: answer 0 meanwhile.
+        patched = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = patched
+        self.target_device = torch.device("cpu")
+
+    __init__.__openrlhf_ess_patch__ = True
+    __init__.__wrapped__ = original
+    NaiveReplayBuffer.__init__ = __init__
+
+
+def _replay_buffer_needed() -> bool:
+    import torch
+
+    # What upstream builds when current_device() answers "cpu": not a device.
+    return _raises(lambda: torch.empty(1, device=torch.device("cuda:0")))
+
+
+# ---- fp32 parameters --------------------------------------------------------------------------
+
+
+def _patch_fp32_dtype() -> None:
+    import torch
+    from openrlhf.utils import utils as upstream_utils
+
+    original = upstream_utils.convert_to_torch_dtype
+    if getattr(original, "__openrlhf_ess_patch__", False):
+        return
+
+    def convert_to_torch_dtype(param_dtype: str):
+        # fp32 lets CPU runs compare vLLM and HF log-probs at 1e-5 (bf16 differs by ~0.1).
+        return torch.float32 if param_dtype == "fp32" else original(param_dtype)
+
+    convert_to_torch_dtype.__openrlhf_ess_patch__ = True
+    convert_to_torch_dtype.__wrapped__ = original
+    upstream_utils.convert_to_torch_dtype = convert_to_torch_dtype
+    # actor.py and model.py import the function inside their constructors, from this module.
+
+
+def _fp32_needed() -> bool:
+    from openrlhf.utils import utils as upstream_utils
+
+    fn = upstream_utils.convert_to_torch_dtype
+    return _raises(lambda: getattr(fn, "__wrapped__", fn)("fp32"))
+
+
+def _fp32_applies() -> bool:
+    return "fp16" in _source_of("openrlhf.utils.utils", "convert_to_torch_dtype")
+
+
+# ---- torch Adam instead of a JIT-built CPU Adam ------------------------------------------------
+
+
+def _patch_torch_adam() -> None:
+    from openrlhf.utils.deepspeed.deepspeed import DeepspeedStrategy
+
+    original = DeepspeedStrategy.get_ds_train_config
+    if getattr(original, "__openrlhf_ess_patch__", False):
+        return
+
+    def get_ds_train_config(self, optim_dict=None, **kwargs):
+        # DeepSpeed would JIT-compile its CPU Adam op (~95 s on 2 cores) for the "AdamW" config;
+        # torch's AdamW computes the same update and needs no build.
+        if optim_dict is not None and optim_dict.get("type") == "AdamW":
+            optim_dict = {**optim_dict, "params": {**optim_dict["params"], "torch_adam": True}}
+        return original(self, optim_dict, **kwargs)
+
+    get_ds_train_config.__openrlhf_ess_patch__ = True
+    get_ds_train_config.__wrapped__ = original
+    DeepspeedStrategy.get_ds_train_config = get_ds_train_config
+
+
+def _cpu_adam_not_prebuilt() -> bool:
+    from deepspeed.git_version_info import installed_ops
+
+    return not installed_ops.get("cpu_adam", False)
+
+
+PATCHES: List[Patch] = [
+    Patch(
+        "flash_attn shim",
+        "openrlhf.models.ring_attn_utils imports flash_attn at module level; flash-attn needs CUDA to build",
+        _flash_attn_applies,
+        _flash_attn_needed,
+        _install_flash_attn_shim,
+    ),
+    Patch(
+        "torch.cuda.set_device",
+        "DeepspeedStrategy.setup_distributed calls it whenever LOCAL_RANK is set",
+        _upstream_calls("openrlhf.utils.deepspeed.deepspeed", "DeepspeedStrategy.setup_distributed", "set_device"),
+        _cuda_call_fails("set_device", 0),
+        _patch_torch_cuda("set_device", _noop),
+    ),
+    Patch(
+        "torch.cuda.current_device",
+        "actors, critic and strategy move tensors to torch.cuda.current_device()",
+        _upstream_calls("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor", "torch.cuda.current_device()"),
+        _cuda_call_fails("current_device"),
+        _patch_torch_cuda("current_device", _cpu_device),
+    ),
+    Patch(
+        "torch.cuda.synchronize",
+        "torch_dist_barrier_and_cuda_sync and the actors' fit() call it",
+        _upstream_calls(
+            "openrlhf.utils.distributed_util", "torch_dist_barrier_and_cuda_sync", "torch.cuda.synchronize()"
+        ),
+        _cuda_call_fails("synchronize"),
+        _patch_torch_cuda("synchronize", _noop),
+    ),
+    Patch(
+        "replay buffer device",
+        "NaiveReplayBuffer sets target_device = cuda:<current_device()>",
+        _upstream_calls("openrlhf.trainer.ppo_utils.replay_buffer", "NaiveReplayBuffer.__init__", 'f"cuda:'),
+        _replay_buffer_needed,
+        _patch_replay_buffer,
+    ),
+    Patch(
+        "fp32 param dtype",
+        "convert_to_torch_dtype knows bf16/fp16 only; exactness checks on CPU need fp32",
+        _fp32_applies,
+        _fp32_needed,
+        _patch_fp32_dtype,
+    ),
+    Patch(
+        "torch AdamW on CPU",
+        "the strategy asks DeepSpeed for AdamW by config, which JIT-builds the CPU Adam op on first use",
+        _upstream_calls("openrlhf.utils.deepspeed.deepspeed", "DeepspeedStrategy._ds_init_train_model", '"AdamW"'),
+        _cpu_adam_not_prebuilt,
+        _patch_torch_adam,
+    ),
+]
+
+
+def apply() -> None:
+    """Apply every patch, once per process. Does nothing when CUDA is available."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    _APPLIED = True
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if cuda_available():
+        return
+    # The shim must come before anything imports openrlhf.models.
+    _install_flash_attn_shim()
+    for patch in PATCHES:
+        patch.apply()

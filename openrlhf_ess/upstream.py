@@ -1,0 +1,201 @@
+"""The one module that touches OpenRLHF internals.
+
+Everything that depends on how upstream is laid out lives here, so an upgrade is one pin bump plus
+``tests/test_upstream_contract.py``:
+
+- the pinned version and a check of it,
+- upstream's CLI parser and its post-parse validation, taken from upstream's own source
+  (``openrlhf/cli/train_ppo_ray.py`` builds them inline under ``if __name__ == "__main__"``; we run
+  those statements rather than copying them, so every upstream flag is accepted as upstream does),
+- running upstream's ``train(args)`` with some of its collaborators replaced by our subclasses,
+  without mutating upstream modules (the function is re-bound to a copy of its globals),
+- unwrapping Ray actor classes so we can subclass them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import builtins
+import importlib
+import inspect
+import types
+from typing import Any, Callable, Dict, Optional
+
+PINNED_OPENRLHF = "0.11.2"
+UPSTREAM_CLI = "openrlhf.cli.train_ppo_ray"
+
+
+def check_version() -> None:
+    """Fail loudly when the installed openrlhf is not the pinned one."""
+    from importlib.metadata import version
+
+    found = version("openrlhf")
+    if found != PINNED_OPENRLHF:
+        raise RuntimeError(
+            f"openrlhf-ess is pinned to openrlhf=={PINNED_OPENRLHF} but {found} is installed. "
+            f"Install the pinned version: pip install --no-deps openrlhf=={PINNED_OPENRLHF}"
+        )
+
+
+def ray_actor_class(remote_cls: Any) -> type:
+    """The plain Python class behind a ``@ray.remote`` class, for subclassing."""
+    return getattr(remote_cls, "__ray_actor_class__", remote_cls)
+
+
+# ---- upstream's CLI ---------------------------------------------------------------------------
+
+
+def _main_block(module: types.ModuleType) -> list:
+    tree = ast.parse(inspect.getsource(module))
+    for node in tree.body:
+        if (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name)
+            and node.test.left.id == "__name__"
+        ):
+            return node.body
+    raise RuntimeError(f"{module.__name__}: no `if __name__ == '__main__'` block; the upstream CLI changed")
+
+
+def _is_parse_args(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Assign)
+        and isinstance(stmt.value, ast.Call)
+        and isinstance(stmt.value.func, ast.Attribute)
+        and stmt.value.func.attr == "parse_args"
+    )
+
+
+def _is_train_call(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Call)
+        and isinstance(stmt.value.func, ast.Name)
+        and stmt.value.func.id == "train"
+    )
+
+
+def _split_main_block(module: types.ModuleType):
+    body = _main_block(module)
+    cut = [i for i, stmt in enumerate(body) if _is_parse_args(stmt)]
+    if len(cut) != 1 or not _is_train_call(body[-1]):
+        raise RuntimeError(
+            f"{module.__name__}: expected one `args = parser.parse_args()` and a final `train(args)`; "
+            "the upstream CLI changed"
+        )
+    return body[: cut[0]], body[cut[0] + 1 : -1]
+
+
+def _exec(stmts: list, namespace: dict, filename: str) -> None:
+    code = compile(ast.fix_missing_locations(ast.Module(body=stmts, type_ignores=[])), filename, "exec")
+    exec(code, namespace)  # noqa: S102 - upstream's own statements, run as upstream runs them
+
+
+def upstream_cli_module() -> types.ModuleType:
+    return importlib.import_module(UPSTREAM_CLI)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Upstream's ``train_ppo_ray`` parser with every upstream flag, built by upstream's own code."""
+    module = upstream_cli_module()
+    head, _ = _split_main_block(module)
+    namespace = dict(vars(module))
+    namespace["__name__"] = module.__name__
+    _exec(head, namespace, module.__file__)
+    parser = namespace["parser"]
+    parser.prog = "openrlhf_ess.cli.train_ppo_ray"
+    return parser
+
+
+def finish_args(flat_args: argparse.Namespace) -> types.SimpleNamespace:
+    """Run upstream's post-parse statements (hierarchize + its validation) on parsed flags.
+
+    Returns the hierarchical namespace upstream's ``train(args)`` expects. Upstream's own
+    ``train(args)`` call is not run: :func:`run_train` does that with our substitutions.
+    """
+    module = upstream_cli_module()
+    _, tail = _split_main_block(module)
+    namespace = dict(vars(module))
+    namespace["args"] = flat_args
+    _exec(tail, namespace, module.__file__)
+    return namespace["args"]
+
+
+def extend_choices(parser: argparse.ArgumentParser, dest: str, *extra: str) -> None:
+    """Add values to an upstream flag's ``choices`` (e.g. ``fp32`` to ``--ds.param_dtype``)."""
+    for action in parser._actions:
+        if action.dest == dest:
+            action.choices = list(action.choices) + [c for c in extra if c not in action.choices]
+            return
+    raise KeyError(f"upstream parser has no flag with dest {dest!r}")
+
+
+def upstream_default(parser: argparse.ArgumentParser, dest: str) -> Any:
+    return parser.get_default(dest)
+
+
+# ---- running upstream code with our classes ---------------------------------------------------
+
+
+def rebind(
+    func: Callable,
+    globals_override: Optional[Dict[str, Any]] = None,
+    import_override: Optional[Dict[str, Dict[str, Any]]] = None,
+) -> Callable:
+    """A copy of ``func`` that sees some of its module globals (and local imports) replaced.
+
+    ``globals_override`` replaces names looked up in the function's module; ``import_override``
+    maps a module name to attribute replacements for ``from module import name`` statements run
+    inside the function. Upstream modules are never mutated, so the original function and every
+    other caller keep their behaviour.
+    """
+    namespace = dict(func.__globals__)
+    namespace.update(globals_override or {})
+    if import_override:
+        real_import = builtins.__import__
+
+        def _import(name, globals=None, locals=None, fromlist=(), level=0):
+            module = real_import(name, globals, locals, fromlist, level)
+            if name in import_override and fromlist:
+                proxy = types.ModuleType(module.__name__)
+                proxy.__dict__.update(vars(module))
+                proxy.__dict__.update(import_override[name])
+                return proxy
+            return module
+
+        namespace["__builtins__"] = dict(vars(builtins), __import__=_import)
+    return types.FunctionType(func.__code__, namespace, func.__name__, func.__defaults__, func.__closure__)
+
+
+def run_train(args: types.SimpleNamespace, classes: Dict[str, Any]) -> None:
+    """Run upstream's ``train(args)`` (the whole Ray job) with our classes substituted.
+
+    ``classes`` may hold ``PolicyModelActor``, ``create_vllm_engines``, ``PPOTrainer`` and
+    ``PPOTrainerAsync``; missing keys keep upstream's.
+    """
+    module = upstream_cli_module()
+    trainer_overrides = {}
+    if "PPOTrainer" in classes:
+        trainer_overrides["openrlhf.trainer.ppo_trainer"] = {"PPOTrainer": classes["PPOTrainer"]}
+    if "PPOTrainerAsync" in classes:
+        trainer_overrides["openrlhf.trainer.ppo_trainer_async"] = {"PPOTrainerAsync": classes["PPOTrainerAsync"]}
+    globals_override = {k: v for k, v in classes.items() if k in ("PolicyModelActor", "create_vllm_engines")}
+    rebind(module.train, globals_override, trainer_overrides)(args)
+
+
+def create_vllm_engines_with(actor_cls: Any) -> Callable:
+    """Upstream's ``create_vllm_engines`` (placement, scheduling, kwargs) building ``actor_cls``."""
+    from openrlhf.trainer.ray import vllm_engine
+
+    return rebind(vllm_engine.create_vllm_engines, {"RolloutRayActor": actor_cls})
+
+
+def actor_trainer_class_name() -> str:
+    return "ActorPPOTrainer"
+
+
+def with_actor_trainer(init: Callable, trainer_cls: type) -> Callable:
+    """``PolicyModelActor.init_model_from_pretrained`` building ``trainer_cls`` as its trainer."""
+    return rebind(init, {"ActorPPOTrainer": trainer_cls})

