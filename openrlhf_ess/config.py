@@ -84,6 +84,20 @@ def logical_gpus_needed(args: types.SimpleNamespace) -> int:
     return total
 
 
+def validate_before_upstream(flat: argparse.Namespace) -> None:
+    """Checks that must run before upstream's post-parse code, which crashes unclearly on them."""
+    get = vars(flat).get
+    if get("actor.model_name_or_path") is None:
+        raise ConfigError("--actor.model_name_or_path is required (a local HF model folder or hub name).")
+    if get("data.prompt_dataset") is None:
+        raise ConfigError("--data.prompt_dataset is required (a JSON/JSONL file, folder or HF dataset name).")
+    if not (get("reward.remote_url") or get("reward.model_name_or_path") or get("train.agent_func_path")):
+        raise ConfigError(
+            "no reward source: pass --reward.remote_url (an HTTP reward server or a .py file with "
+            "reward_func), --reward.model_name_or_path (a reward model) or --train.agent_func_path."
+        )
+
+
 def validate(args: types.SimpleNamespace) -> List[str]:
     """Check flag combinations; fix the few that have one right answer and say so.
 
@@ -93,10 +107,6 @@ def validate(args: types.SimpleNamespace) -> List[str]:
     notices: List[str] = []
     on_cpu = not cpu_compat.cuda_available()
 
-    if args.actor.model_name_or_path is None:
-        raise ConfigError("--actor.model_name_or_path is required (a local HF model folder or hub name).")
-    if args.data.prompt_dataset is None:
-        raise ConfigError("--data.prompt_dataset is required (a JSON/JSONL file, folder or HF dataset name).")
     if args.vllm.cpu_kv_cache_gb <= 0:
         raise ConfigError(f"--vllm.cpu_kv_cache_gb must be > 0, got {args.vllm.cpu_kv_cache_gb}.")
 

@@ -70,7 +70,7 @@ def _flash_attn_missing(*_args, **_kwargs):
 
 
 def _install_flash_attn_shim() -> None:
-    if "flash_attn" in sys.modules or importlib.util.find_spec("flash_attn") is not None:
+    if "flash_attn" in sys.modules or not _flash_attn_needed():
         return
     root = types.ModuleType("flash_attn")
     root.__openrlhf_ess_shim__ = True
@@ -99,7 +99,8 @@ def _install_flash_attn_shim() -> None:
 
 
 def _flash_attn_needed() -> bool:
-    return importlib.util.find_spec("flash_attn") is None
+    # Search sys.path only: sys.modules holds our shim once applied.
+    return importlib.machinery.PathFinder.find_spec("flash_attn") is None
 
 
 def _flash_attn_applies() -> bool:
@@ -264,7 +265,7 @@ PATCHES: List[Patch] = [
     Patch(
         "torch.cuda.current_device",
         "actors, critic and strategy move tensors to torch.cuda.current_device()",
-        _upstream_calls("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor", "torch.cuda.current_device()"),
+        _upstream_calls("openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer.ppo_train", "torch.cuda.current_device()"),
         _cuda_call_fails("current_device"),
         _patch_torch_cuda("current_device", _cpu_device),
     ),

@@ -53,6 +53,7 @@ def parse_args(argv: Optional[List[str]] = None):
     """
     parser = build_parser()
     flat = parser.parse_args(argv)
+    config.validate_before_upstream(flat)
     args = upstream.finish_args(flat)
     notices = config.validate(args)
     return args, notices

@@ -1,0 +1,64 @@
+"""Run the real CLI (Ray + vLLM CPU + DeepSpeed) on the tiny world in a subprocess, for tests."""
+
+import glob
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16) -> list:
+    """CLI flags for a short tiny run: ``steps_prompts`` prompts in batches of 8 (4 samples each)."""
+    return [
+        "--actor.model_name_or_path", world["model"],
+        "--data.prompt_dataset", world["prompts"],
+        "--data.max_samples", str(steps_prompts),
+        "--data.input_key", "input",
+        "--reward.remote_url", world["reward"],
+        "--algo.advantage.estimator", "reinforce_baseline",
+        "--algo.kl.init_coef", "0",
+        "--actor.num_gpus_per_node", "1",
+        "--vllm.num_engines", "1",
+        "--rollout.batch_size", "8",
+        "--rollout.n_samples_per_prompt", "4",
+        "--rollout.micro_batch_size", "8",
+        "--train.batch_size", "32",
+        "--train.micro_batch_size", "8",
+        "--rollout.max_new_tokens", "16",
+        "--data.max_len", "64",
+        "--actor.adam.lr", "1e-3",
+        "--actor.lr_warmup_ratio", "0",
+        "--ds.zero_stage", "2",
+        "--ds.attn_implementation", "sdpa",
+        "--ckpt.output_dir", os.path.join(run_dir, "ckpt"),
+        "--ckpt.path", os.path.join(run_dir, "ckpt", "checkpoints"),
+        "--logger.tensorboard_dir", os.path.join(run_dir, "tb"),
+        "--logger.wandb.run_name", "e2e",
+        "--ray.temp_dir", os.path.join("/tmp", "ray_ess_" + os.path.basename(run_dir.rstrip("/"))[-20:]),
+    ]
+
+
+def run_cli(args: list, run_dir: str, timeout: int = 600, launcher=None, env=None):
+    cmd = (launcher or [sys.executable, "-m"]) + ["openrlhf_ess.cli.train_ppo_ray"] + args
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": run_dir, **(env or {})}
+    with open(os.path.join(run_dir, "log.txt"), "w") as log:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=full_env)
+    return proc.returncode, open(os.path.join(run_dir, "log.txt")).read()
+
+
+def read_tensorboard(run_dir: str) -> dict:
+    """{tag: [(step, value), ...]} from every event file under run_dir/tb."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars = {}
+    for path in glob.glob(os.path.join(run_dir, "tb", "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(path)
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return scalars
+
+
+if __name__ == "__main__":
+    print(" ".join(tiny_args({"model": "M", "prompts": "P", "reward": "R"}, sys.argv[1])))

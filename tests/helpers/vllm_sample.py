@@ -1,0 +1,56 @@
+"""Run a real vLLM engine on a model folder and print sampled tokens with their log-probs as JSON.
+
+Used by tests in a subprocess (vLLM keeps process-wide state). Usage:
+    python -m tests.helpers.vllm_sample MODEL OUT.json --temperature 0.8 --max_tokens 24
+"""
+
+import argparse
+import json
+import os
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max_tokens", type=int, default=24)
+    parser.add_argument("--prompts", nargs="+", default=["ab12 =", "hello =", "x ="])
+    args = parser.parse_args()
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        seed=0,
+        max_model_len=128,
+        kv_cache_memory_bytes=64 << 20,
+        logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from (temperature applied)
+        max_logprobs=1,
+        enforce_eager=True,
+    )
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, logprobs=1, seed=0)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in args.prompts]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    rows = []
+    for prompt_ids, out in zip(prompts, outputs):
+        sample = out.outputs[0]
+        rows.append(
+            {
+                "prompt_ids": prompt_ids,
+                "token_ids": list(sample.token_ids),
+                "logprobs": [lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs)],
+            }
+        )
+    with open(args.out, "w") as f:
+        json.dump(rows, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Every CPU patch still targets code that exists in the pinned upstream, and is still needed here.
+
+If an upgrade removes the CUDA call a patch works around, ``applies`` fails; if torch or DeepSpeed
+start handling it themselves, ``needed`` fails. Either way the patch gets reviewed, not left dead.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from openrlhf_ess import cpu_compat
+
+pytestmark = pytest.mark.skipif(cpu_compat.cuda_available(), reason="CPU patches are inert where CUDA exists")
+
+
+@pytest.mark.parametrize("patch", cpu_compat.PATCHES, ids=lambda p: p.name)
+def test_patch_applies_to_pinned_upstream(patch):
+    assert patch.applies(), f"{patch.name}: the upstream code it works around is gone ({patch.why})"
+
+
+@pytest.mark.parametrize("patch", cpu_compat.PATCHES, ids=lambda p: p.name)
+def test_patch_is_still_needed(patch):
+    assert patch.needed(), f"{patch.name}: no longer needed on this machine; remove it ({patch.why})"
+
+
+def test_patched_calls_behave_on_cpu():
+    import torch
+
+    cpu_compat.apply()
+    assert torch.cuda.current_device() == "cpu"
+    assert torch.cuda.set_device(0) is None and torch.cuda.synchronize() is None
+    from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
+    from openrlhf.utils.utils import convert_to_torch_dtype
+
+    assert NaiveReplayBuffer(4).target_device == torch.device("cpu")
+    assert convert_to_torch_dtype("fp32") is torch.float32
+    assert convert_to_torch_dtype("bf16") is torch.bfloat16  # upstream answers still pass through
+
+
+def test_upstream_modules_import_only_with_the_shim():
+    code = "import openrlhf.models.ring_attn_utils"
+    bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert bare.returncode != 0 and "flash_attn" in bare.stderr
+    shimmed = subprocess.run(
+        [sys.executable, "-c", f"from openrlhf_ess import cpu_compat; cpu_compat.apply(); {code}"],
+        capture_output=True,
+        text=True,
+    )
+    assert shimmed.returncode == 0, shimmed.stderr[-2000:]
+
+
+def test_noop_when_cuda_is_available():
+    # Pretend CUDA exists: apply() must leave torch.cuda and sys.modules untouched.
+    code = (
+        "import sys, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "before = torch.cuda.set_device, torch.cuda.current_device, torch.cuda.synchronize\n"
+        "from openrlhf_ess import cpu_compat\n"
+        "cpu_compat.apply()\n"
+        "after = torch.cuda.set_device, torch.cuda.current_device, torch.cuda.synchronize\n"
+        "assert before == after, 'torch.cuda was patched'\n"
+        "assert 'flash_attn' not in sys.modules, 'flash_attn shim installed'\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
