@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 "model per sync). On a machine without CUDA the default becomes reload."
             )
 
+    add_ess_lr_arguments(parser)
     group = parser.add_argument_group("openrlhf-ess: engine and machine")
     group.add_argument(
         "--vllm.dtype",
@@ -69,6 +70,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Logical GPUs the local Ray instance declares on a machine without CUDA, so upstream's GPU "
         "placement groups can be scheduled (default: what the flags ask for). Ignored with --ray.address.",
     )
+
+
+def add_ess_lr_arguments(parser: argparse.ArgumentParser) -> None:
+    from openrlhf_ess.models.corrections import ESS_RULES, ESS_WEIGHT_FORMS
+
+    group = parser.add_argument_group(
+        "openrlhf-ess: ESS-guided LR scaling (VCPO, arXiv 2602.17616)",
+        "Once per rollout batch, over all actor ranks: w_i = exp(mean_t(log pi_prox - log mu)), "
+        "rho = ESS/B = (sum w)^2 / (B sum w^2), and the actor LR of that rollout's optimizer steps is "
+        "multiplied by clamp(sqrt(rho), floor, 1). The critic is never scaled. Needs rollout log-probs from "
+        "vLLM (enabled automatically). Cost: one all-gather of 4 numbers per rollout.",
+    )
+    group.add_argument(
+        "--algo.ess_lr_enable",
+        action="store_true",
+        default=False,
+        help="Scale the actor LR by the rollout's effective sample size. Off: upstream behaviour, bit-exact.",
+    )
+    group.add_argument(
+        "--algo.ess_lr_floor",
+        type=float,
+        default=0.1,
+        help="Lower bound of the LR scale, in (0, 1]. 1 disables the scaling in effect.",
+    )
+    group.add_argument(
+        "--algo.ess_lr_weight",
+        type=str,
+        default="geo_mean",
+        choices=list(ESS_WEIGHT_FORMS),
+        help="Trajectory weight: geo_mean = exp(mean_t log ratio) (the paper's, length-independent) or "
+        "seq_product = exp(sum_t log ratio) (the VCPO reference code's; collapses ESS for long responses).",
+    )
+    group.add_argument(
+        "--algo.ess_lr_rule",
+        type=str,
+        default="sqrt",
+        choices=list(ESS_RULES),
+        help="LR multiplier from rho = ESS/B: sqrt (VCPO) or linear (more aggressive).",
+    )
+
+
+def needs_rollout_logprobs(args: types.SimpleNamespace) -> bool:
+    """Whether any enabled feature consumes mu, the engine's sampled-token log-probs."""
+    return args.algo.ess_lr_enable or args.algo.advantage.is_correction_level != "off"
 
 
 def logical_gpus_needed(args: types.SimpleNamespace) -> int:
@@ -140,6 +185,35 @@ def validate(args: types.SimpleNamespace) -> List[str]:
         )
     if args.vllm.sync_backend == RELOAD_BACKEND and args.vllm.sync_with_ray:
         raise ConfigError("--vllm.sync_with_ray applies to nccl/gloo only; drop it with --vllm.sync_backend reload.")
+    if args.algo.ess_lr_enable:
+        if not 0 < args.algo.ess_lr_floor <= 1:
+            raise ConfigError(
+                f"--algo.ess_lr_floor must be in (0, 1], got {args.algo.ess_lr_floor}: it is the smallest LR "
+                "multiplier (0.1 = at most 10x smaller LR)."
+            )
+        if not args.vllm.num_engines:
+            raise ConfigError(
+                "--algo.ess_lr_enable needs rollout log-probs from vLLM engines: set --vllm.num_engines >= 1."
+            )
+        if args.actor.optim != "adam":
+            raise ConfigError(
+                f"--algo.ess_lr_enable with --actor.optim {args.actor.optim}: DeepSpeed's Muon reads per-group "
+                "muon_lr/adam_lr overrides, so scaling the param-group lr would silently do nothing. "
+                "Use --actor.optim adam."
+            )
+        if args.algo.advantage.is_correction_level == "off":
+            notices.append(
+                "--algo.ess_lr_enable: vLLM engines will return sampled-token log-probs (mu), "
+                "as the ESS needs them."
+            )
+    elif any(
+        getattr(args.algo, name) != default
+        for name, default in (("ess_lr_floor", 0.1), ("ess_lr_weight", "geo_mean"), ("ess_lr_rule", "sqrt"))
+    ):
+        raise ConfigError(
+            "--algo.ess_lr_floor/--algo.ess_lr_weight/--algo.ess_lr_rule are set but --algo.ess_lr_enable is not: "
+            "add --algo.ess_lr_enable, or drop them."
+        )
     if args.ds.param_dtype == "fp32" and not on_cpu:
         notices.append("--ds.param_dtype fp32 on GPU: DeepSpeed trains in full precision (slower, exact).")
     return notices

@@ -42,3 +42,11 @@ def test_async_runs(tiny_world, tmp_path, mode):
     run_dir = str(tmp_path)
     rc, log = run_cli(tiny_args(tiny_world, run_dir) + mode, run_dir)
     _check_run(run_dir, rc, log, steps=2)
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher(tiny_world, tmp_path):
+    # `deepspeed --module` appends --local_rank and sets CUDA_VISIBLE_DEVICES=0 even on a CPU machine.
+    run_dir = str(tmp_path)
+    rc, log = run_cli(tiny_args(tiny_world, run_dir), run_dir, launcher=["deepspeed", "--module"])
+    _check_run(run_dir, rc, log, steps=2)

@@ -33,7 +33,7 @@ args=(
    --rollout.max_new_tokens 16
    --data.max_len 64
    --rollout.temperature 1.0
-   --train.num_episodes ${EPISODES:-4}
+   --train.num_episodes ${EPISODES:-12}
    --actor.adam.lr 1e-3
    --actor.lr_warmup_ratio 0
    --actor.lr_scheduler constant
@@ -47,8 +47,10 @@ args=(
    --logger.wandb.run_name tiny_cpu
 )
 
+rm -rf "$RUN_DIR/tensorboard"
 python -m openrlhf_ess.cli.train_ppo_ray "${args[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"
 echo
+python -m openrlhf_ess.tools.summary "$RUN_DIR/tensorboard"
 echo "logs:        $RUN_DIR/train.log"
 echo "tensorboard: $RUN_DIR/tensorboard   (tensorboard --logdir $RUN_DIR/tensorboard)"
 echo "model:       $RUN_DIR/ckpt"

@@ -86,6 +86,9 @@ def init_ray(args) -> None:
     num_gpus = None
     if not cpu_compat.cuda_available():
         num_gpus = args.ray.num_gpus or config.logical_gpus_needed(args)
+        # The deepspeed launcher sets CUDA_VISIBLE_DEVICES=0 even without CUDA; Ray then refuses to
+        # declare more logical GPUs than listed there. No CUDA device exists, so the list means nothing.
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     ray.init(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,

@@ -1,6 +1,5 @@
 """Run the real CLI (Ray + vLLM CPU + DeepSpeed) on the tiny world in a subprocess, for tests."""
 
-import glob
 import os
 import subprocess
 import sys
@@ -48,16 +47,10 @@ def run_cli(args: list, run_dir: str, timeout: int = 600, launcher=None, env=Non
 
 
 def read_tensorboard(run_dir: str) -> dict:
-    """{tag: [(step, value), ...]} from every event file under run_dir/tb."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """{tag: [(step, value), ...]} from the run's tensorboard folder."""
+    from openrlhf_ess.tools.summary import read_scalars
 
-    scalars = {}
-    for path in glob.glob(os.path.join(run_dir, "tb", "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path)
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-    return scalars
+    return read_scalars(os.path.join(run_dir, "tb"))
 
 
 if __name__ == "__main__":

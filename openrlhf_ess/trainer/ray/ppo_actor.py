@@ -18,11 +18,37 @@ from openrlhf.trainer.ray import ppo_actor as _upstream  # noqa: E402
 from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync  # noqa: E402
 
 from openrlhf_ess import upstream  # noqa: E402
-
-RELOAD_BACKEND = "reload"
+from openrlhf_ess.config import RELOAD_BACKEND  # noqa: E402
+from openrlhf_ess.trainer import ess_lr  # noqa: E402
 
 
 class ActorPPOTrainer(_upstream.ActorPPOTrainer):
+    def __init__(self, *args, **kwargs):
+        """Extends upstream's init: with ``--algo.ess_lr_enable``, hook the actor's innermost optimizer."""
+        super().__init__(*args, **kwargs)
+        self.lr_scale_hook = None
+        if self.args.algo.ess_lr_enable:
+            # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
+            self.lr_scale_hook = ess_lr.LrScaleHook(ess_lr.innermost_optimizer(self.actor.model))
+
+    def ppo_train(self, kl_ctl: float):
+        """Wraps upstream's ppo_train: this rollout's optimizer steps run at the ESS-scaled LR.
+
+        Off (the default): upstream's method runs untouched.
+        """
+        if self.lr_scale_hook is None:
+            return super().ppo_train(kl_ctl)
+        algo = self.args.algo
+        scale, metrics = ess_lr.global_lr_scale(
+            self.replay_buffer.items, algo.ess_lr_weight, algo.ess_lr_rule, algo.ess_lr_floor
+        )
+        with self.lr_scale_hook.applied(scale):
+            status = super().ppo_train(kl_ctl)
+        status.update(metrics)
+        # engine.get_lr() / the scheduler report the unscaled LR; log what the optimizer really used.
+        status["actor_lr_effective"] = self.actor_scheduler.get_last_lr()[0] * scale
+        return status
+
     def _init_vllm_sync_group(self, backend: str):
         """Overrides upstream's NCCL/gloo group set-up: the ``reload`` backend needs no process group."""
         if backend == RELOAD_BACKEND:

@@ -7,6 +7,7 @@ add keyword arguments on top of the ones it passes.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Dict
 
 from openrlhf_ess import cpu_compat
@@ -16,12 +17,28 @@ cpu_compat.apply()
 import ray  # noqa: E402
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamRolloutRayActor  # noqa: E402
 
-from openrlhf_ess import upstream  # noqa: E402
+from openrlhf_ess import config, upstream  # noqa: E402
 
 WORKER_EXTENSION = "openrlhf_ess.trainer.ray.vllm_worker_wrap.WorkerWrap"
 
 
 class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
+    async def __init__(self, *args, force_logprobs: bool = False, **kwargs):
+        """Extends upstream's init with ``force_logprobs``: always return the sampled token's log-prob."""
+        self.force_logprobs = force_logprobs
+        await super().__init__(*args, **kwargs)
+
+    async def generate_responses(self, prompt, label, sampling_params, *args, **kwargs):
+        """Wraps upstream's: with ``force_logprobs``, ask vLLM for the sampled token's log-prob (μ).
+
+        Upstream requests it only for its own IS correction; our features need it too. The executors
+        build ``rollout_log_probs`` whenever ``sampling_params.logprobs`` is set.
+        """
+        if self.force_logprobs and sampling_params.logprobs is None:
+            sampling_params = copy.deepcopy(sampling_params)
+            sampling_params.logprobs = 1
+        return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
+
     async def load_weights_from_safetensors(self, blob: bytes) -> None:
         """Load a full set of weights (safetensors bytes) into every worker, then drop the prefix cache.
 
@@ -61,6 +78,10 @@ class _WithEngineKwargs:
 def engine_kwargs(args) -> Dict[str, Any]:
     """The vLLM engine arguments we set on top of upstream's, from our flags."""
     extra: Dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION}
+    if config.needs_rollout_logprobs(args) and args.algo.advantage.is_correction_level == "off":
+        # What upstream sets for its own IS correction: log-probs of the distribution sampled from
+        # (temperature applied), top-1 only.
+        extra.update(force_logprobs=True, logprobs_mode="processed_logprobs", max_logprobs=1)
     if args.vllm.dtype != "bfloat16":
         extra["dtype"] = args.vllm.dtype
     if not cpu_compat.cuda_available():

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command (README, CI): set up ./.venv if needed, then run the default test suite.
+#   bash scripts/test.sh            # default suite (fast + real-stack tests, ~5 min after install)
+#   bash scripts/test.sh -m slow    # the slow real-stack runs as well (pytest args pass through)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env_cpu.sh
+exec python -m pytest -ra "$@"

@@ -1,0 +1,90 @@
+"""Train the real DeepSpeed actor with upstream's or our ActorPPOTrainer on fixed rollouts, for tests.
+
+    python -m tests.helpers.ess_ds MODEL PROMPTS OUT.pt --zero_stage 2 --param_dtype bf16 --accum 2 \
+        --variant ours_on|ours_off|upstream [--lr 1e-3] [--rollouts 2]
+
+Every variant sees the same rollouts (fixed seed): sequences, advantages, π_prox (``action_log_probs``)
+and μ (``rollout_log_probs``) chosen so the trajectory weights are exp(0) and exp(log 5) alternately,
+i.e. Σw = 3n, Σw² = 13n and ρ = 9/13 ≈ 0.692, whatever the ZeRO stage. Writes the final parameters (gathered),
+the scheduler's LR after each rollout, and the status dicts.
+"""
+
+import argparse
+
+import torch
+
+from tests.helpers.ds_actor import build_actor, single_process_env
+
+MICRO = 2
+SEQ, ACT = 12, 6
+
+
+def make_rollout(seed: int, n: int):
+    """n single-sample experiences; trajectory i has mean_t(log π_prox − log μ) = 0 or log 5."""
+    from openrlhf.trainer.ppo_utils.experience import Experience
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.randint(4, 60, (n, SEQ), generator=g)
+    prox = -torch.rand(n, ACT, generator=g) * 3 - 0.5
+    shift = torch.tensor([0.0 if i % 2 == 0 else float(torch.log(torch.tensor(5.0))) for i in range(n)])
+    rollout = prox - shift[:, None]
+    adv = torch.randn(n, ACT, generator=g)
+    return Experience(
+        sequences=seqs,
+        attention_mask=torch.ones_like(seqs),
+        action_mask=torch.ones(n, ACT, dtype=torch.bool),
+        action_log_probs=prox,
+        rollout_log_probs=rollout,
+        advantages=adv,
+        returns=adv.clone(),
+        info={"reward": torch.zeros(n)},
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("prompts")
+    p.add_argument("out")
+    p.add_argument("--zero_stage", type=int, default=2)
+    p.add_argument("--param_dtype", default="bf16")
+    p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--variant", choices=["ours_on", "ours_off", "upstream"], required=True)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--rollouts", type=int, default=2)
+    p.add_argument("--scheduler", default="cosine_with_min_lr")
+    a = p.parse_args()
+    single_process_env()
+
+    extra = ["--actor.lr_scheduler", a.scheduler, "--vllm.num_engines", "1", "--algo.kl.init_coef", "0"]
+    if a.variant == "ours_on":
+        extra.append("--algo.ess_lr_enable")
+    train_batch = MICRO * a.accum
+    strategy, model, optim, scheduler = build_actor(
+        a.model, a.prompts, a.zero_stage, a.param_dtype, train_batch, MICRO, lr=a.lr, extra=extra
+    )
+    if a.variant == "upstream":
+        from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+    else:
+        from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer
+    trainer = ActorPPOTrainer(
+        strategy, model, None, optim, scheduler, micro_train_batch_size=MICRO, dataloader_pin_memory=False
+    )
+    lrs, statuses = [], []
+    for r in range(a.rollouts):
+        trainer.replay_buffer.append(make_rollout(100 + r, 2 * train_batch))
+        status = trainer.ppo_train(0.0)
+        trainer.replay_buffer.clear()
+        lrs.append(scheduler.get_last_lr()[0])
+        statuses.append({k: float(v) for k, v in status.items() if isinstance(v, (int, float))})
+
+    import deepspeed
+
+    params = dict(model.model.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values()), enabled=a.zero_stage == 3):
+        state = {k: v.detach().float().clone() for k, v in params.items()}
+    torch.save({"params": state, "lrs": lrs, "statuses": statuses}, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Example scripts cannot rot: each parses as bash and uses only flags our parser accepts."""
+
+import glob
+import os
+import re
+import subprocess
+
+import pytest
+
+from openrlhf_ess.cli.train_ppo_ray import build_parser
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(glob.glob(os.path.join(REPO, "examples", "scripts", "*.sh")))
+
+
+def _flags(path):
+    text = open(path).read()
+    # flags inside the args=( ... ) array, one per line, upstream's layout
+    body = re.search(r"args=\((.*?)\n\)", text, re.S)
+    assert body, f"{path}: no args=( ... ) array"
+    lines = [ln.split("#")[0] for ln in body.group(1).splitlines()]
+    return re.findall(r"(?<![\w-])(--[a-z_][\w.]*)", "\n".join(lines))
+
+
+def test_there_are_recipes():
+    assert any("cpu" in os.path.basename(s) for s in SCRIPTS)
+    assert len(SCRIPTS) >= 2
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_script_is_valid_bash(script):
+    run = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+def test_script_flags_are_accepted(script):
+    known = {opt for a in build_parser()._actions for opt in a.option_strings}
+    flags = _flags(script)
+    assert flags, script
+    unknown = sorted(set(flags) - known)
+    assert not unknown, f"{os.path.basename(script)} uses flags our parser rejects: {unknown}"
