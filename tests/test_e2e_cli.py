@@ -31,17 +31,29 @@ def test_sync_run_writes_tensorboard_and_wandb(tiny_world, tmp_path):
     assert os.path.getsize(runs[0]) > 0
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        pytest.param(["--train.async_enable"], id="async", marks=pytest.mark.slow),
-        pytest.param(["--train.async_enable", "--train.partial_rollout_enable"], id="async-partial"),
-    ],
-)
-def test_async_runs(tiny_world, tmp_path, mode):
+@pytest.mark.slow
+def test_async_run(tiny_world, tmp_path):
     run_dir = str(tmp_path)
-    rc, log = run_cli(tiny_args(tiny_world, run_dir) + mode, run_dir)
+    rc, log = run_cli(tiny_args(tiny_world, run_dir) + ["--train.async_enable"], run_dir)
     _check_run(run_dir, rc, log, steps=2)
+
+
+def test_async_partial_run_with_ess_lr(tiny_world, tmp_path):
+    run_dir = str(tmp_path)
+    flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.ess_lr_enable"]
+    rc, log = run_cli(tiny_args(tiny_world, run_dir, steps_prompts=24) + flags, run_dir)
+    scalars = _check_run(run_dir, rc, log, steps=3)
+    assert "vLLM engines will return sampled-token log-probs" in log
+    scale = [v for _, v in scalars["train/lr_scale"]]
+    rho = [v for _, v in scalars["train/rho_ess"]]
+    lr = [v for _, v in scalars["train/actor_lr"]]
+    eff = [v for _, v in scalars["train/actor_lr_effective"]]
+    assert len(scale) == len(rho) == 3
+    for s, r, a, e in zip(scale, rho, lr, eff):
+        assert 0 < r <= 1 + 1e-6
+        assert s == pytest.approx(max(0.1, min(1.0, r**0.5)), rel=1e-5)  # sqrt rule, floor 0.1
+        assert e == pytest.approx(a * s, rel=1e-5)
+    assert [v for _, v in scalars["train/ess_lr_missing"]] == [0.0] * 3
 
 
 @pytest.mark.slow
