@@ -116,6 +116,11 @@ def needs_rollout_logprobs(args: types.SimpleNamespace) -> bool:
     return args.algo.ess_lr_enable or args.algo.advantage.is_correction_level != "off"
 
 
+def needs_versions(args: types.SimpleNamespace) -> bool:
+    """Whether rollout tokens must be tagged with the weight version that sampled them."""
+    return needs_rollout_logprobs(args)
+
+
 def logical_gpus_needed(args: types.SimpleNamespace) -> int:
     """An upper bound on the GPU slots upstream's placement asks for (colocation only needs fewer)."""
     total = args.actor.num_nodes * args.actor.num_gpus_per_node
@@ -172,8 +177,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             )
         if args.ds.packing_samples or args.ds.ring_attn_size > 1:
             raise ConfigError(
-                "--ds.packing_samples and --ds.ring_attn_size > 1 need flash-attn, which needs CUDA. "
-                "Drop them on CPU."
+                "--ds.packing_samples and --ds.ring_attn_size > 1 need flash-attn, which needs CUDA. Drop them on CPU."
             )
         if args.vllm.enable_sleep:
             raise ConfigError("--vllm.enable_sleep is not supported by vLLM's CPU backend. Drop it on CPU.")
@@ -203,8 +207,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             )
         if args.algo.advantage.is_correction_level == "off":
             notices.append(
-                "--algo.ess_lr_enable: vLLM engines will return sampled-token log-probs (mu), "
-                "as the ESS needs them."
+                "--algo.ess_lr_enable: vLLM engines will return sampled-token log-probs (mu), as the ESS needs them."
             )
     elif any(
         getattr(args.algo, name) != default

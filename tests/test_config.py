@@ -22,9 +22,18 @@ BAD = [
 
 def _base(world, attn="sdpa"):
     return [
-        "--actor.model_name_or_path", world["model"], "--data.prompt_dataset", world["prompts"],
-        "--reward.remote_url", world["reward"], "--vllm.num_engines", "1", "--ds.attn_implementation", attn,
-        "--algo.advantage.estimator", "reinforce",
+        "--actor.model_name_or_path",
+        world["model"],
+        "--data.prompt_dataset",
+        world["prompts"],
+        "--reward.remote_url",
+        world["reward"],
+        "--vllm.num_engines",
+        "1",
+        "--ds.attn_implementation",
+        attn,
+        "--algo.advantage.estimator",
+        "reinforce",
     ]
 
 
@@ -41,9 +50,11 @@ def test_cpu_rejects_flash_attention(tiny_world):
 
 @pytest.mark.parametrize(
     "drop,message",
-    [("--actor.model_name_or_path", "--actor.model_name_or_path is required"),
-     ("--data.prompt_dataset", "--data.prompt_dataset is required"),
-     ("--reward.remote_url", "no reward source")],
+    [
+        ("--actor.model_name_or_path", "--actor.model_name_or_path is required"),
+        ("--data.prompt_dataset", "--data.prompt_dataset is required"),
+        ("--reward.remote_url", "no reward source"),
+    ],
 )
 def test_missing_required(tiny_world, drop, message):
     argv = _base(tiny_world)

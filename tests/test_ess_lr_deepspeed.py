@@ -26,9 +26,22 @@ MATRIX = [(z, d, a) for z in range(4) for d in ("fp32", "bf16") for a in (1, 2)]
 def _run(tiny_world, tmp_path, zero, dtype, accum, variant, lr=LR):
     out = tmp_path / f"{variant}_{lr}.pt"
     cmd = [
-        sys.executable, "-m", "tests.helpers.ess_ds", tiny_world["model"], tiny_world["prompts"], str(out),
-        "--zero_stage", str(zero), "--param_dtype", dtype, "--accum", str(accum), "--variant", variant,
-        "--lr", repr(lr),
+        sys.executable,
+        "-m",
+        "tests.helpers.ess_ds",
+        tiny_world["model"],
+        tiny_world["prompts"],
+        str(out),
+        "--zero_stage",
+        str(zero),
+        "--param_dtype",
+        dtype,
+        "--accum",
+        str(accum),
+        "--variant",
+        variant,
+        "--lr",
+        repr(lr),
     ]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]

@@ -19,8 +19,21 @@ def _free_port():
 
 
 def _torchrun(tmp_path, case):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "tests.helpers.ess_two_ranks", str(tmp_path), case]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "tests.helpers.ess_two_ranks",
+        str(tmp_path),
+        case,
+    ]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return [json.loads((tmp_path / f"{case}_rank{r}.json").read_text()) for r in (0, 1)]
@@ -28,8 +41,14 @@ def _torchrun(tmp_path, case):
 
 def _single(tmp_path, case):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    run = subprocess.run([sys.executable, "-m", "tests.helpers.ess_two_ranks", str(tmp_path), case],
-                         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.ess_two_ranks", str(tmp_path), case],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads((tmp_path / f"{case}_rank-1.json").read_text())
 

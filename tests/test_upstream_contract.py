@@ -65,5 +65,8 @@ def test_upstream_train_names_we_substitute():
     assert {"PolicyModelActor", "create_vllm_engines"} <= names
     from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
-    assert "ActorPPOTrainer" in upstream.ray_actor_class(ppo_actor.PolicyModelActor).init_model_from_pretrained.__code__.co_names
+    assert (
+        "ActorPPOTrainer"
+        in upstream.ray_actor_class(ppo_actor.PolicyModelActor).init_model_from_pretrained.__code__.co_names
+    )
     assert "RolloutRayActor" in vllm_engine.create_vllm_engines.__code__.co_names

@@ -22,8 +22,15 @@ def test_vllm_and_hf_agree_in_fp32(tiny_world, tmp_path):
     out = tmp_path / "samples.json"
     temperature = 0.8
     run = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.vllm_sample", tiny_world["model"], str(out),
-         "--temperature", str(temperature)],
+        [
+            sys.executable,
+            "-m",
+            "tests.helpers.vllm_sample",
+            tiny_world["model"],
+            str(out),
+            "--temperature",
+            str(temperature),
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -69,9 +69,7 @@ def ess_log_moments(log_w: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def combine_log_moments(moments: torch.Tensor) -> torch.Tensor:
     """Combine (K, 3) per-shard :func:`ess_log_moments` into the (3,) moments of the union."""
-    return torch.stack(
-        [torch.logsumexp(moments[:, 0], 0), torch.logsumexp(moments[:, 1], 0), moments[:, 2].sum()]
-    )
+    return torch.stack([torch.logsumexp(moments[:, 0], 0), torch.logsumexp(moments[:, 1], 0), moments[:, 2].sum()])
 
 
 def ess_ratio_from_log_moments(moments: torch.Tensor) -> torch.Tensor:
@@ -93,3 +91,91 @@ def lr_scale_from_rho(rho: torch.Tensor, floor: float, rule: str = "sqrt") -> to
         raise ValueError(f"floor must be in (0, 1], got {floor}")
     raw = rho.sqrt() if rule == "sqrt" else rho
     return raw.clamp(min=floor, max=1.0)
+
+
+# ---- KL-to-reference loss: k1/k2/k3 value, importance-weighted k2 gradient (DESIGN.md §2, k2 option) -------
+
+KL_VALUE_ESTIMATORS = ("k1", "k2", "k3")
+# Bound on log-space quantities before exp. exp(20) ≈ 4.9e8 keeps w and w·(log π_θ − log π_ref) finite in
+# float32 even for log-probs of −1e4, whereas exp(89) already overflows float32 to inf, and inf·0 (a token
+# with π_θ = π_ref) is NaN in both the surrogate and its gradient. A |log w| > 20 token is noise either way.
+KL_LOG_BOUND = 20.0
+
+
+def kl_loss_k2(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    prox_log_probs: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+    value_estimator: str = "k3",
+) -> torch.Tensor:
+    r"""Per-token KL(π_θ‖π_ref) loss: forward value k1/k2/k3, gradient that of the weighted k2 surrogate.
+
+    With x = log π_θ(a) − log π_ref(a) (``ref_log_probs`` = log π_ref, the frozen reference model):
+
+        value  k1 = x,   k2 = ½ x²,   k3 = e^{−x} − 1 + x                     (``value_estimator``)
+        w      = (π_θ/π_prox) · min(π_prox/μ, C)                              (detached; decoupled weight)
+        out    = value + w · ½ x² − stopgrad(w · ½ x²)                         (straight-through)
+
+    so ``out`` equals the chosen estimator and ∂out/∂log π_θ = w · x. Why: the reverse-KL gradient is
+    ∇KL(π_θ‖π_ref) = E_{a~π_θ}[(log π_θ − log π_ref) ∇log π_θ], and ∇(½x²) = x ∇log π_θ is exactly that
+    integrand. Tokens are sampled from μ (the inference engine, possibly stale), so the expectation needs
+    the importance weight π_θ/μ = (π_θ/π_prox)(π_prox/μ); the second (train/inference discrepancy) factor is
+    TIS-capped at C as in the policy loss (DESIGN.md §2), which trades a little bias for bounded variance.
+    By contrast k3 used directly as a loss has pathwise gradient (1 − π_ref/π_θ)∇log π_θ, whose on-policy
+    expectation is ∇KL(π_ref‖π_θ), the *forward* KL: biased for the reverse KL it reports.
+
+    Differs from upstream ``compute_approx_kl(..., unbiased_gradient=True)`` (``--algo.kl.unbiased_gradient``)
+    only in the weight: upstream uses w = min(π_θ/π_old, 10), i.e. it ignores the train/inference
+    discrepancy π_prox/μ; we multiply by the TIS-capped min(π_prox/μ, C). We also do not clamp the value to
+    [−10, 10] (callers see the true estimate; only k3's exponent is bounded, see :data:`KL_LOG_BOUND`).
+
+    Args:
+        log_probs: (B, T) log π_θ(a_t), the only input that receives a gradient.
+        ref_log_probs: (B, T) log π_ref(a_t).
+        prox_log_probs: (B, T) log π_prox(a_t), or None: π_prox = π_θ (the first factor is 1 and the
+            discrepancy factor becomes min(π_θ/μ, C)).
+        rollout_log_probs: (B, T) log μ(a_t), or None: no discrepancy factor (on-policy w.r.t. π_prox).
+        tis_cap: C > 0, or None: the uncapped π_prox/μ. Ignored without ``rollout_log_probs``.
+        value_estimator: one of :data:`KL_VALUE_ESTIMATORS`, the forward value only.
+    Returns:
+        (B, T) per-token loss in float32 (float64 if the inputs are), unmasked: the caller applies
+        ``action_mask`` and the token/sequence mean.
+
+    References: J. Schulman, "Approximating KL divergence", http://joschu.net/blog/kl-approx.html (k1, k2, k3);
+    Liu et al., "Rethinking KL Regularization in RLHF: From Value Estimation to Gradient Optimization",
+    arXiv 2510.01555 (k2 as loss ≡ k1 in reward on-policy; k3 as loss biased; off-policy needs IS).
+    """
+    if value_estimator not in KL_VALUE_ESTIMATORS:
+        raise ValueError(f"unknown KL value estimator {value_estimator!r}; expected one of {KL_VALUE_ESTIMATORS}")
+    if tis_cap is not None and not tis_cap > 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    # bf16 log-probs lose the small differences that KL is made of: compute in at least float32.
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)
+    log_probs = log_probs.to(dtype)
+    x = log_probs - ref_log_probs.to(dtype)
+
+    if value_estimator == "k1":
+        value = x
+    elif value_estimator == "k2":
+        value = 0.5 * x.square()
+    else:
+        # e^{−x} overflows for x < −88 (float32); below x = −20 the value saturates at e^20 − 21 ≈ 4.9e8.
+        x_k3 = x.clamp(min=-KL_LOG_BOUND)
+        value = torch.exp(-x_k3) - 1 + x_k3
+
+    # log w = (log π_θ − log π_prox) + min(log π_prox − log μ, log C), in log space, exp once at the end.
+    log_theta = log_probs.detach()
+    log_prox = log_theta if prox_log_probs is None else prox_log_probs.to(dtype)
+    log_w = log_theta - log_prox
+    if rollout_log_probs is not None:
+        log_disc = log_prox - rollout_log_probs.to(dtype)
+        if tis_cap is not None:
+            log_disc = log_disc.clamp(max=math.log(tis_cap))
+        log_w = log_w + log_disc
+    w = log_w.clamp(-KL_LOG_BOUND, KL_LOG_BOUND).exp().detach()
+
+    surrogate = w * (0.5 * x.square())
+    # Bracketed so the forward value is bit-exact: (value + s) − s would round value away when s ≫ value.
+    return value.detach() + (surrogate - surrogate.detach())

@@ -1,6 +1,6 @@
 """Print a short summary of a run from its tensorboard logs: steps, reward at start and end, timings.
 
-    python -m openrlhf_ess.tools.summary RUN_TENSORBOARD_DIR
+python -m openrlhf_ess.tools.summary RUN_TENSORBOARD_DIR
 """
 
 from __future__ import annotations

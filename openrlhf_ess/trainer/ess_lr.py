@@ -27,7 +27,9 @@ def innermost_optimizer(engine) -> torch.optim.Optimizer:
     ZeRO-0 fp32: ``engine.optimizer``; ZeRO 1-3 and the bf16 wrapper: ``engine.optimizer.optimizer``.
     """
     opt = engine.optimizer
-    while not isinstance(opt, torch.optim.Optimizer) or isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+    while not isinstance(opt, torch.optim.Optimizer) or isinstance(
+        getattr(opt, "optimizer", None), torch.optim.Optimizer
+    ):
         opt = opt.optimizer
     return opt
 
@@ -109,9 +111,7 @@ def global_lr_scale(items, weight_form: str, rule: str, floor: float) -> Tuple[f
     missing = bool(shards[:, 3].max() > 0)
     moments = corrections.combine_log_moments(shards[:, :3])
     if missing or moments[2] == 0:
-        logger.warning(
-            "ESS LR scaling: rollout log-probs or old log-probs missing for this rollout; using lr_scale=1"
-        )
+        logger.warning("ESS LR scaling: rollout log-probs or old log-probs missing for this rollout; using lr_scale=1")
         return 1.0, {"lr_scale": 1.0, "ess_lr_missing": 1.0}
     rho = corrections.ess_ratio_from_log_moments(moments)
     scale = corrections.lr_scale_from_rho(rho, floor, rule)

@@ -34,12 +34,32 @@ def build_actor(model_path, prompts, zero_stage, param_dtype, train_batch, micro
     from openrlhf_ess.cli.train_ppo_ray import parse_args
 
     argv = [
-        "--actor.model_name_or_path", model_path, "--data.prompt_dataset", prompts,
-        "--reward.remote_url", "unused.py", "--ds.attn_implementation", "sdpa",
-        "--ds.zero_stage", str(zero_stage), "--ds.param_dtype", param_dtype,
-        "--train.batch_size", str(train_batch), "--train.micro_batch_size", str(micro_batch),
-        "--actor.num_gpus_per_node", "1", "--actor.adam.lr", str(lr), "--actor.lr_warmup_ratio", "0",
-        "--actor.lr_scheduler", "constant", "--algo.advantage.estimator", "reinforce",
+        "--actor.model_name_or_path",
+        model_path,
+        "--data.prompt_dataset",
+        prompts,
+        "--reward.remote_url",
+        "unused.py",
+        "--ds.attn_implementation",
+        "sdpa",
+        "--ds.zero_stage",
+        str(zero_stage),
+        "--ds.param_dtype",
+        param_dtype,
+        "--train.batch_size",
+        str(train_batch),
+        "--train.micro_batch_size",
+        str(micro_batch),
+        "--actor.num_gpus_per_node",
+        "1",
+        "--actor.adam.lr",
+        str(lr),
+        "--actor.lr_warmup_ratio",
+        "0",
+        "--actor.lr_scheduler",
+        "constant",
+        "--algo.advantage.estimator",
+        "reinforce",
     ] + list(extra)
     args, _ = parse_args(argv)
     strategy = get_strategy(args)
@@ -67,7 +87,6 @@ def build_actor(model_path, prompts, zero_stage, param_dtype, train_batch, micro
 
 def param_checksum(model, strategy) -> float:
     import deepspeed
-    import torch
 
     total = 0.0
     params = list(model.model.parameters())

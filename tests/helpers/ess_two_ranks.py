@@ -21,9 +21,13 @@ def items_for(case: str, rank: int):
     mu = prox - torch.randn(n, 1, generator=g) * 0.7  # per-trajectory offsets: a spread of weights
     mask = torch.ones(n, t, dtype=torch.long)
     mask[2, 3:] = 0
-    exp = Experience(sequences=torch.zeros(n, t + 1, dtype=torch.long), action_mask=mask,
-                     attention_mask=torch.ones(n, t + 1, dtype=torch.long),
-                     action_log_probs=prox, rollout_log_probs=mu)
+    exp = Experience(
+        sequences=torch.zeros(n, t + 1, dtype=torch.long),
+        action_mask=mask,
+        attention_mask=torch.ones(n, t + 1, dtype=torch.long),
+        action_log_probs=prox,
+        rollout_log_probs=mu,
+    )
     items = split_experience_batch(exp)
     if rank < 0:
         return items

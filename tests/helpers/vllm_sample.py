@@ -19,10 +19,9 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
     llm = LLM(

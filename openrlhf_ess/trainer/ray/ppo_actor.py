@@ -5,8 +5,6 @@ Mirrors ``openrlhf/trainer/ray/ppo_actor.py``.
 
 from __future__ import annotations
 
-import time
-
 from openrlhf_ess import cpu_compat
 
 cpu_compat.apply()
@@ -17,7 +15,7 @@ import torch  # noqa: E402
 from openrlhf.trainer.ray import ppo_actor as _upstream  # noqa: E402
 from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync  # noqa: E402
 
-from openrlhf_ess import upstream  # noqa: E402
+from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.config import RELOAD_BACKEND  # noqa: E402
 from openrlhf_ess.trainer import ess_lr  # noqa: E402
 
@@ -26,6 +24,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     def __init__(self, *args, **kwargs):
         """Extends upstream's init: with ``--algo.ess_lr_enable``, hook the actor's innermost optimizer."""
         super().__init__(*args, **kwargs)
+        # Weight syncs applied to the engines; tokens are tagged with it (shared/DESIGN.md §4).
+        self.weight_version = 0
         self.lr_scale_hook = None
         if self.args.algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
@@ -56,23 +56,35 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         super()._init_vllm_sync_group(backend)
 
     def broadcast_to_vllm(self):
-        """Overrides upstream's per-tensor broadcast when ``--vllm.sync_backend reload`` is chosen.
+        """Sync weights to the engines, then tell them the new weight version.
+
+        The version is set while generation is paused (partial rollouts) or idle (otherwise), so the
+        engines can tag every token with the weights that sampled it. Without a feature that needs
+        versions, nothing is sent beyond the weights.
+        """
+        if self.strategy.args.vllm.sync_backend == RELOAD_BACKEND:
+            self._reload_to_vllm()
+        else:
+            super().broadcast_to_vllm()
+        self.weight_version += 1
+        if config.needs_versions(self.args) and torch.distributed.get_rank() == 0:
+            ray.get([engine.set_weight_version.remote(self.weight_version) for engine in self.vllm_engines])
+
+    def _reload_to_vllm(self):
+        """``--vllm.sync_backend reload``, replacing upstream's per-tensor NCCL/gloo broadcast.
 
         Rank 0 gathers the full weights (ZeRO-3 shards included), serialises them once as a
         safetensors blob, and every engine loads the blob with vLLM's ``reload_weights``. Cost: one
-        host copy of the model per sync. Other backends run upstream's code untouched.
+        host copy of the model per sync.
         """
-        if self.strategy.args.vllm.sync_backend != RELOAD_BACKEND:
-            return super().broadcast_to_vllm()
         from safetensors.torch import save
 
-        t0 = time.time()
         model = self.actor.model.module
-        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad or not getattr(self.actor, "is_vlm", False)]
+        params = [
+            (n, p) for n, p in model.named_parameters() if p.requires_grad or not getattr(self.actor, "is_vlm", False)
+        ]
         state = {}
-        with deepspeed.zero.GatheredParameters(
-            [p for _, p in params], enabled=self.strategy.args.ds.zero_stage == 3
-        ):
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=self.strategy.args.ds.zero_stage == 3):
             if torch.distributed.get_rank() == 0:
                 for name, param in params:
                     state[name] = param.data.detach().to("cpu", copy=True).contiguous()
@@ -80,7 +92,6 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             blob = save(state)
             ray.get([engine.load_weights_from_safetensors.remote(blob) for engine in self.vllm_engines])
         torch_dist_barrier_and_cuda_sync()
-        self.last_sync_seconds = time.time() - t0
 
 
 _UpstreamPolicyModelActor = upstream.ray_actor_class(_upstream.PolicyModelActor)

@@ -7,8 +7,10 @@ add keyword arguments on top of the ones it passes.
 
 from __future__ import annotations
 
+import contextvars
 import copy
-from typing import Any, Dict
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from openrlhf_ess import cpu_compat
 
@@ -20,13 +22,132 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamRollout
 from openrlhf_ess import config, upstream  # noqa: E402
 
 WORKER_EXTENSION = "openrlhf_ess.trainer.ray.vllm_worker_wrap.WorkerWrap"
+NO_VERSION = -1  # version tag of tokens the engine did not sample (prompt, environment feedback)
+
+logger = logging.getLogger(__name__)
+
+# The per-token versions of every engine.generate() call made by one executor.execute() call.
+_GENERATE_CALLS: contextvars.ContextVar[Optional[List[List[int]]]] = contextvars.ContextVar(
+    "openrlhf_ess_generate_calls", default=None
+)
+
+
+class _Progress:
+    """Output tokens streamed so far for one request, and the weight version of each stretch of them."""
+
+    __slots__ = ("streamed", "starts", "versions")
+
+    def __init__(self, version: int):
+        self.streamed = 0
+        self.starts, self.versions = [0], [version]
+
+    def switch(self, version: int) -> None:
+        # Generation is paused during a weight sync, so every token streamed so far was sampled by
+        # the outgoing weights and every later token by the new ones (shared/DESIGN.md §4).
+        if self.streamed == self.starts[-1]:
+            self.versions[-1] = version
+        else:
+            self.starts.append(self.streamed)
+            self.versions.append(version)
+
+    def token_versions(self, n_tokens: int) -> List[int]:
+        ends = self.starts[1:] + [n_tokens]
+        out: List[int] = []
+        for start, end, version in zip(self.starts, ends, self.versions):
+            out.extend([version] * (min(end, n_tokens) - start))
+        return out
+
+
+def versions_for_observation(
+    n_tokens: int, action_ranges: Sequence[Tuple[int, int]], calls: Sequence[Sequence[int]]
+) -> List[int]:
+    """Per observation token: the version that sampled it, or NO_VERSION for prompt/environment tokens.
+
+    The i-th action range of a response is the output of the executor's i-th generate() call (true for
+    upstream's single- and multi-turn executors). A mismatch leaves the tokens untagged (never guessed).
+    """
+    versions = [NO_VERSION] * n_tokens
+    if len(action_ranges) != len(calls):
+        logger.warning(
+            "executor made %d generate() calls for %d action ranges; rollout versions left untagged",
+            len(calls),
+            len(action_ranges),
+        )
+        return versions
+    for (start, end), call in zip(action_ranges, calls):
+        if len(call) != end - start:
+            logger.warning("action range of %d tokens but %d tokens generated; left untagged", end - start, len(call))
+            continue
+        versions[start:end] = call
+    return versions
+
+
+class _VersionTaggingExecutor:
+    """Wraps an agent executor: collects the versions of its generate() calls into the response."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    async def execute(self, *args, **kwargs):
+        calls: List[List[int]] = []
+        token = _GENERATE_CALLS.set(calls)
+        try:
+            response = await self._inner.execute(*args, **kwargs)
+        finally:
+            _GENERATE_CALLS.reset(token)
+        response["rollout_versions"] = versions_for_observation(
+            len(response["observation_tokens"]), response["action_ranges"], calls
+        )
+        return response
 
 
 class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
-    async def __init__(self, *args, force_logprobs: bool = False, **kwargs):
-        """Extends upstream's init with ``force_logprobs``: always return the sampled token's log-prob."""
+    async def __init__(self, *args, force_logprobs: bool = False, track_versions: bool = False, **kwargs):
+        """Extends upstream's init.
+
+        ``force_logprobs``: always return the sampled token's log-prob (μ).
+        ``track_versions``: tag every response token with the weight version that sampled it
+        (``response["rollout_versions"]``), across weight syncs inside one response.
+        """
         self.force_logprobs = force_logprobs
+        self.weight_version = 0
+        self._inflight: Dict[str, _Progress] = {}
         await super().__init__(*args, **kwargs)
+        if track_versions:
+            self.executor = _VersionTaggingExecutor(self.executor)
+            self.llm.generate = self._tracking_stream(self.llm.generate)
+
+    def _tracking_stream(self, generate):
+        """Wrap AsyncLLM.generate: count streamed tokens per request and record their versions."""
+
+        async def tracked(prompt, sampling_params, request_id, *args, **kwargs):
+            progress = _Progress(self.weight_version)
+            self._inflight[request_id] = progress
+            try:
+                async for output in generate(prompt, sampling_params, *args, request_id=request_id, **kwargs):
+                    progress.streamed = len(output.outputs[0].token_ids)
+                    yield output
+            finally:
+                self._inflight.pop(request_id, None)
+            calls = _GENERATE_CALLS.get()
+            if calls is not None:
+                calls.append(progress.token_versions(progress.streamed))
+
+        return tracked
+
+    async def inflight_tokens(self) -> List[int]:
+        """Output tokens streamed so far by each in-flight request (introspection for tests and logs)."""
+        return [p.streamed for p in self._inflight.values()]
+
+    async def set_weight_version(self, version: int) -> int:
+        """Called by the trainer after a complete weight sync, while generation is paused (or idle)."""
+        self.weight_version = int(version)
+        for progress in self._inflight.values():
+            progress.switch(self.weight_version)
+        return len(self._inflight)
 
     async def generate_responses(self, prompt, label, sampling_params, *args, **kwargs):
         """Wraps upstream's: with ``force_logprobs``, ask vLLM for the sampled token's log-prob (μ).
@@ -82,6 +203,8 @@ def engine_kwargs(args) -> Dict[str, Any]:
         # What upstream sets for its own IS correction: log-probs of the distribution sampled from
         # (temperature applied), top-1 only.
         extra.update(force_logprobs=True, logprobs_mode="processed_logprobs", max_logprobs=1)
+    if config.needs_versions(args):
+        extra["track_versions"] = True
     if args.vllm.dtype != "bfloat16":
         extra["dtype"] = args.vllm.dtype
     if not cpu_compat.cuda_available():
