@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
     add_ess_lr_arguments(parser)
+    add_off_policy_arguments(parser)
     group = parser.add_argument_group("openrlhf-ess: engine and machine")
     group.add_argument(
         "--vllm.dtype",
@@ -111,14 +112,64 @@ def add_ess_lr_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    from openrlhf_ess.models.corrections import TIS_LEVELS
+
+    group = parser.add_argument_group(
+        "openrlhf-ess: decoupled PPO, truncated IS, version lag, k2 KL",
+        "Decoupled objective per response token: r = pi_theta/pi_prox is PPO-clipped (staleness) and the "
+        "loss is weighted by the detached TIS weight min(pi_prox/mu, C) (train/inference discrepancy). "
+        "mu comes from vLLM (enabled automatically); every token is tagged with the weight version that "
+        "sampled it.",
+    )
+    group.add_argument(
+        "--algo.tis_cap",
+        type=float,
+        default=None,
+        help="Truncated importance sampling cap C: weight each token by min(pi_prox/mu, C). Token level runs "
+        "through upstream's PolicyLoss (is_correction clip mode). Typical C: 2. Off by default. Cost: none "
+        "beyond vLLM returning log-probs. Replaces --algo.advantage.is_correction_* (do not set both).",
+    )
+    group.add_argument(
+        "--algo.tis_level",
+        type=str,
+        default="token",
+        choices=list(TIS_LEVELS),
+        help="token: per-token ratio; seq: the sequence's geometric-mean ratio, capped, applied to all its tokens.",
+    )
+    group.add_argument(
+        "--algo.max_version_lag",
+        type=int,
+        default=None,
+        help="Mask out (and count) response tokens sampled more than this many weight syncs before the "
+        "update that consumes them. Off by default. 0 keeps only tokens of the current version.",
+    )
+    group.add_argument(
+        "--algo.kl.off_policy_k2_enable",
+        action="store_true",
+        default=False,
+        help="With --algo.kl.use_loss: backprop the unbiased reverse-KL gradient under off-policy sampling, "
+        "from the k2 surrogate 0.5*(log pi_theta - log pi_ref)^2 weighted by the detached decoupled weight "
+        "(pi_theta/pi_prox)*min(pi_prox/mu, C) (C = --algo.tis_cap, else 10); the logged value stays "
+        "--algo.kl.estimator's (straight-through). Upstream's --algo.kl.unbiased_gradient weights by "
+        "pi_theta/pi_old only, ignoring the train/inference discrepancy.",
+    )
+
+
 def needs_rollout_logprobs(args: types.SimpleNamespace) -> bool:
     """Whether any enabled feature consumes mu, the engine's sampled-token log-probs."""
-    return args.algo.ess_lr_enable or args.algo.advantage.is_correction_level != "off"
+    algo = args.algo
+    return (
+        algo.ess_lr_enable
+        or algo.advantage.is_correction_level != "off"
+        or algo.tis_cap is not None
+        or algo.kl.off_policy_k2_enable
+    )
 
 
 def needs_versions(args: types.SimpleNamespace) -> bool:
     """Whether rollout tokens must be tagged with the weight version that sampled them."""
-    return needs_rollout_logprobs(args)
+    return needs_rollout_logprobs(args) or args.algo.max_version_lag is not None
 
 
 def logical_gpus_needed(args: types.SimpleNamespace) -> int:
@@ -217,6 +268,54 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             "--algo.ess_lr_floor/--algo.ess_lr_weight/--algo.ess_lr_rule are set but --algo.ess_lr_enable is not: "
             "add --algo.ess_lr_enable, or drop them."
         )
+    _validate_off_policy(args, notices)
     if args.ds.param_dtype == "fp32" and not on_cpu:
         notices.append("--ds.param_dtype fp32 on GPU: DeepSpeed trains in full precision (slower, exact).")
     return notices
+
+
+def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> None:
+    """TIS, version lag and k2 KL rules; maps token-level TIS onto upstream's IS-correction flags."""
+    algo = args.algo
+    upstream_is = algo.advantage.is_correction_level != "off"
+    if algo.tis_cap is not None:
+        if not algo.tis_cap > 0:
+            raise ConfigError(f"--algo.tis_cap must be > 0 (typically 2), got {algo.tis_cap}.")
+        if upstream_is:
+            raise ConfigError(
+                "--algo.tis_cap and --algo.advantage.is_correction_level both set an IS correction on the same "
+                "ratio pi_prox/mu: use --algo.tis_cap (clamp) or upstream's --algo.advantage.is_correction_* "
+                "(e.g. mask mode), not both."
+            )
+        if args.actor.policy_loss_type != "ppo":
+            raise ConfigError(
+                f"--algo.tis_cap with --actor.policy_loss_type {args.actor.policy_loss_type}: GSPO's ratio is "
+                "already taken against mu; use --actor.policy_loss_type ppo."
+            )
+        if algo.tis_level == "token":
+            # One source of truth: upstream's PolicyLoss implements exactly min(pi_prox/mu, C) this way.
+            algo.advantage.is_correction_level = "token"
+            algo.advantage.is_correction_mode = "clip"
+            algo.advantage.is_correction_gating = "ratio"
+            algo.advantage.is_correction_threshold = [0.0, algo.tis_cap]
+    elif algo.tis_level != "token":
+        raise ConfigError("--algo.tis_level is set but --algo.tis_cap is not: add --algo.tis_cap C (e.g. 2).")
+    if algo.max_version_lag is not None and algo.max_version_lag < 0:
+        raise ConfigError(f"--algo.max_version_lag must be >= 0, got {algo.max_version_lag}.")
+    if algo.kl.off_policy_k2_enable:
+        if not algo.kl.use_loss or algo.kl.init_coef <= 0:
+            raise ConfigError(
+                "--algo.kl.off_policy_k2_enable shapes the gradient of the KL *loss*: add --algo.kl.use_loss and "
+                "a positive --algo.kl.init_coef."
+            )
+        if algo.kl.unbiased_gradient:
+            raise ConfigError(
+                "--algo.kl.off_policy_k2_enable and --algo.kl.unbiased_gradient both replace the KL gradient: "
+                "keep one (ours adds the min(pi_prox/mu, C) discrepancy term to upstream's pi_theta/pi_old weight)."
+            )
+    if needs_rollout_logprobs(args) and not args.vllm.num_engines:
+        raise ConfigError(
+            "rollout log-probs (mu) come from vLLM engines: the off-policy features need --vllm.num_engines >= 1."
+        )
+    if needs_rollout_logprobs(args) and not upstream_is and algo.tis_cap is None:
+        notices.append("vLLM engines will return sampled-token log-probs (mu), as the enabled features need them.")

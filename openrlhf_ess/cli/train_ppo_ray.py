@@ -104,12 +104,16 @@ def train(args) -> None:
     from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
+    classes = {"PolicyModelActor": PolicyModelActor, "create_vllm_engines": create_vllm_engines(args)}
+    if config.needs_versions(args):
+        # Off: upstream's controllers run untouched.
+        from openrlhf_ess.trainer.ppo_trainer import PPOTrainer
+        from openrlhf_ess.trainer.ppo_trainer_async import PPOTrainerAsync
+
+        classes.update(PPOTrainer=PPOTrainer, PPOTrainerAsync=PPOTrainerAsync)
     init_ray(args)
     try:
-        upstream.run_train(
-            args,
-            {"PolicyModelActor": PolicyModelActor, "create_vllm_engines": create_vllm_engines(args)},
-        )
+        upstream.run_train(args, classes)
     finally:
         import ray
 

@@ -93,6 +93,50 @@ def lr_scale_from_rho(rho: torch.Tensor, floor: float, rule: str = "sqrt") -> to
     return raw.clamp(min=floor, max=1.0)
 
 
+# ---- train/inference mismatch and truncated importance sampling (DESIGN.md §2) ------------------------------
+
+
+def mismatch_stats(prox_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor) -> torch.Tensor:
+    r"""Mismatch between π_prox and μ on tokens sampled from μ: (4,) [k1, k3, χ², max |log r|].
+
+    With r = π_prox/μ per token (1-D inputs, sampled tokens only):
+    k1 = E_μ[−log r] and k3 = E_μ[r − 1 − log r] estimate KL(μ‖π_prox) (Schulman, "Approximating KL
+    divergence"); χ² = E_μ[r²] − 1 = χ²(π_prox‖μ) is the variance of the IS weight. Zeros if empty.
+    """
+    if prox_log_probs.numel() == 0:
+        return torch.zeros(4, dtype=torch.float64)
+    log_r = prox_log_probs.to(torch.float64) - rollout_log_probs.to(torch.float64)
+    r = log_r.clamp(max=20.0).exp()  # exp(20) bounds χ² against one absurd token; k1 stays exact
+    return torch.stack([(-log_r).mean(), (r - 1 - log_r).mean(), (r * r).mean() - 1, log_r.abs().max()])
+
+
+def tis_weights(
+    prox_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    action_mask: torch.Tensor,
+    cap: float,
+    level: str = "token",
+) -> torch.Tensor:
+    r"""Truncated importance weights on the train/inference discrepancy, detached: (B, T).
+
+    token: w_t = min(π_prox(a_t)/μ(a_t), C)
+    seq:   w_t = min(exp(mean_{t'} log(π_prox/μ)), C) for every token of the sequence (geometric mean)
+    Truncated IS: Ionides (2008); for LLM RL, Yao et al., "Your efficient RL framework secretly brings
+    you off-policy RL training" (2025). Masked positions get weight 0.
+    """
+    if level not in TIS_LEVELS:
+        raise ValueError(f"unknown TIS level {level!r}; expected one of {TIS_LEVELS}")
+    mask = action_mask.to(torch.float32)
+    log_r = (prox_log_probs.float() - rollout_log_probs.float()).detach() * mask
+    if level == "seq":
+        log_r = (log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(mask)
+    # log C bounds the exponent, so no overflow for any input
+    return log_r.clamp(max=math.log(cap)).exp() * mask
+
+
+TIS_LEVELS = ("token", "seq")
+
+
 # ---- KL-to-reference loss: k1/k2/k3 value, importance-weighted k2 gradient (DESIGN.md §2, k2 option) -------
 
 KL_VALUE_ESTIMATORS = ("k1", "k2", "k3")

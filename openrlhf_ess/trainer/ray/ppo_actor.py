@@ -9,6 +9,8 @@ from openrlhf_ess import cpu_compat
 
 cpu_compat.apply()
 
+import contextvars  # noqa: E402
+
 import deepspeed  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -17,7 +19,26 @@ from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync  # 
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.config import RELOAD_BACKEND  # noqa: E402
+from openrlhf_ess.models import corrections  # noqa: E402
+from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
 from openrlhf_ess.trainer import ess_lr  # noqa: E402
+
+# (μ of the micro-batch in training_step, IS cap) for the off-policy k2 KL below.
+_K2_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("openrlhf_ess_k2_context")
+K2_DEFAULT_IS_CAP = 10.0  # upstream's bound on its KL IS weight (KL_IS_WEIGHT_CLIP)
+
+
+def _off_policy_k2_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimator="k1", unbiased_gradient=False):
+    """Stands in for upstream's ``compute_approx_kl`` inside training_step with --algo.kl.off_policy_k2_enable."""
+    rollout_log_probs, cap = _K2_CONTEXT.get()
+    return corrections.kl_loss_k2(
+        log_probs,
+        log_probs_base,
+        prox_log_probs=log_probs_old,
+        rollout_log_probs=rollout_log_probs,
+        tis_cap=cap,
+        value_estimator=kl_estimator,
+    )
 
 
 class ActorPPOTrainer(_upstream.ActorPPOTrainer):
@@ -26,10 +47,30 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         super().__init__(*args, **kwargs)
         # Weight syncs applied to the engines; tokens are tagged with it (shared/DESIGN.md §4).
         self.weight_version = 0
+        algo = self.args.algo
+        if algo.tis_cap is not None and algo.tis_level == "seq":
+            self.actor_loss_fn = PolicyLoss.from_upstream(self.actor_loss_fn, algo.tis_cap, algo.tis_level)
         self.lr_scale_hook = None
         if self.args.algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
             self.lr_scale_hook = ess_lr.LrScaleHook(ess_lr.innermost_optimizer(self.actor.model))
+
+    # Upstream's training_step with its KL estimator replaced by the off-policy k2 one.
+    _k2_training_step = upstream.rebind(
+        _upstream.ActorPPOTrainer.training_step, {"compute_approx_kl": _off_policy_k2_kl}
+    )
+
+    def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+        """Overrides upstream's only with --algo.kl.off_policy_k2_enable: the KL-loss gradient becomes
+        the k2 surrogate's weighted by (π_θ/π_prox)·min(π_prox/μ, C). The rest of the step is upstream's."""
+        if not self.args.algo.kl.off_policy_k2_enable:
+            return super().training_step(experience, kl_ctl, step, loss_batch_info)
+        cap = self.args.algo.tis_cap if self.args.algo.tis_cap is not None else K2_DEFAULT_IS_CAP
+        token = _K2_CONTEXT.set((experience.rollout_log_probs, cap))
+        try:
+            return self._k2_training_step(experience, kl_ctl, step, loss_batch_info)
+        finally:
+            _K2_CONTEXT.reset(token)
 
     def ppo_train(self, kl_ctl: float):
         """Wraps upstream's ppo_train: this rollout's optimizer steps run at the ESS-scaled LR.

@@ -1,0 +1,111 @@
+"""Experience maker: upstream's ``RemoteExperienceMaker`` plus rollout versions, lag masking and metrics.
+
+Mirrors ``openrlhf/trainer/ppo_utils/experience_maker.py``. Runs on the controller, which holds the
+whole rollout batch, so the metrics here are global over it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as _UpstreamRemoteExperienceMaker
+from openrlhf.utils.utils import zero_pad_sequences
+
+from openrlhf_ess.models import corrections
+from openrlhf_ess.trainer.ppo_utils.samples_generator import versions_or_untagged
+from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION
+
+LAG_BUCKETS = (0, 1, 2, 3)  # version-lag histogram: lag 0, 1, 2, and >= 3
+
+
+class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weight_version = 0  # set by the trainer: syncs applied so far (the version being trained)
+        self.last_metrics: Dict[str, float] = {}
+
+    @classmethod
+    def from_upstream(cls, maker: _UpstreamRemoteExperienceMaker) -> "RemoteExperienceMaker":
+        """Adopt the state of the maker upstream's trainer built (same collaborators, our methods)."""
+        ours = cls.__new__(cls)
+        ours.__dict__.update(vars(maker))
+        ours.weight_version, ours.last_metrics = 0, {}
+        return ours
+
+    def split_rollout_samples(self, rollout_samples):
+        """Extends upstream's split: carry the per-token versions into each micro-batch.
+
+        Upstream records each sample's position in ``index`` and right-pads step fields, so the
+        versions are padded the same way (with NO_VERSION).
+        """
+        samples_list = super().split_rollout_samples(rollout_samples)
+        for batch in samples_list:
+            rows = [versions_or_untagged(rollout_samples[i])[0] for i in batch.index]
+            versions = zero_pad_sequences(rows, side="right", value=NO_VERSION, stack=True)
+            batch.rollout_versions = versions[:, : batch.action_mask.shape[1]]
+        return samples_list
+
+    @torch.no_grad()
+    def make_experience(self, samples_list: List):
+        """Extends upstream's: mask too-stale tokens and compute the batch's off-policy metrics.
+
+        Tokens whose version lag exceeds ``--algo.max_version_lag`` get action_mask 0 before advantages
+        are computed (and are counted); they never reach the loss.
+        """
+        experiences = super().make_experience(samples_list)
+        algo = self.args.algo
+        max_lag = algo.max_version_lag
+        lags, masks, prox, mu, tis = [], [], [], [], []
+        stale = torch.zeros((), dtype=torch.float64)
+        for exp in experiences:
+            versions = exp.rollout_versions
+            sampled = exp.action_mask.bool() & (versions != NO_VERSION)
+            lag = torch.where(sampled, self.weight_version - versions, torch.zeros_like(versions))
+            if max_lag is not None:
+                too_stale = sampled & (lag > max_lag)
+                stale += too_stale.sum()
+                exp.action_mask = exp.action_mask & ~too_stale
+                sampled = sampled & ~too_stale
+            lags.append(lag[sampled])
+            if exp.rollout_log_probs is not None:
+                mask = exp.action_mask.bool()
+                masks.append(mask.flatten())
+                prox.append(exp.action_log_probs.flatten())
+                mu.append(exp.rollout_log_probs.flatten())
+                if algo.tis_cap is not None:
+                    w = corrections.tis_weights(
+                        exp.action_log_probs, exp.rollout_log_probs, mask, algo.tis_cap, algo.tis_level
+                    )
+                    tis.append(w[mask])
+        self.last_metrics = rollout_metrics(torch.cat(lags), stale, prox, mu, masks)
+        if tis:
+            w = torch.cat(tis)
+            # a weight equal to the cap is one the cap truncated (or that sat exactly on it)
+            self.last_metrics.update(
+                {
+                    "tis/clip_frac": (w >= algo.tis_cap * (1 - 1e-6)).float().mean().item() if w.numel() else 0.0,
+                    "tis/mean_weight": w.mean().item() if w.numel() else 1.0,
+                    "tis/max_weight": w.max().item() if w.numel() else 1.0,
+                }
+            )
+        return experiences
+
+
+def rollout_metrics(lags: torch.Tensor, stale: torch.Tensor, prox: list, mu: list, masks: list) -> Dict[str, float]:
+    """Batch-global metrics: version-lag histogram, stale-token count, train/rollout mismatch."""
+    out: Dict[str, float] = {}
+    n = max(lags.numel(), 1)
+    if lags.numel():
+        out["version_lag/mean"] = lags.float().mean().item()
+        out["version_lag/max"] = lags.max().item()
+    for bucket in LAG_BUCKETS:
+        hit = lags >= bucket if bucket == LAG_BUCKETS[-1] else lags == bucket
+        label = f"{bucket}+" if bucket == LAG_BUCKETS[-1] else str(bucket)
+        out[f"version_lag/frac_{label}"] = hit.sum().item() / n
+    out["version_lag/stale_masked_tokens"] = stale.item()
+    if prox:
+        mask = torch.cat(masks)
+        stats = corrections.mismatch_stats(torch.cat(prox)[mask], torch.cat(mu)[mask])
+        out.update({f"mismatch/{k}": v for k, v in zip(("k1", "k3", "chi2", "max_abs_log_ratio"), stats.tolist())})
+    return out

@@ -1,0 +1,45 @@
+"""Samples generator: upstream's ``SamplesGenerator`` keeping per-token versions and checking μ.
+
+Mirrors ``openrlhf/trainer/ppo_utils/samples_generator.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator as _UpstreamSamplesGenerator
+
+from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION
+
+
+class SamplesGenerator(_UpstreamSamplesGenerator):
+    def _process_response_into_experience(self, response, **generate_kwargs):
+        """Extends upstream's conversion of one engine response.
+
+        - ``experience.rollout_versions`` (1, A): the weight version that sampled each action token
+          (NO_VERSION elsewhere), aligned with ``rollout_log_probs`` and ``action_mask``. A plain
+          attribute, not an Experience field: it is consumed by the experience maker on the controller.
+        - A sample whose μ is NaN or ±inf on a sampled token is masked out (action_mask = 0, μ set to 0
+          so nothing non-finite reaches the loss) and counted in ``info["rollout_logprob_nonfinite"]``.
+        """
+        experience = super()._process_response_into_experience(response, **generate_kwargs)
+        truncate_length = generate_kwargs.get("max_len", 2048)
+        versions = response.get("rollout_versions")
+        if versions is not None:
+            experience.rollout_versions = torch.tensor(versions[1:truncate_length], dtype=torch.long).unsqueeze(0)
+        mu = experience.rollout_log_probs
+        if mu is not None:
+            bad = ~torch.isfinite(mu) & experience.action_mask.bool()
+            nonfinite = bool(bad.any())
+            if nonfinite:
+                experience.rollout_log_probs = torch.where(torch.isfinite(mu), mu, torch.zeros_like(mu))
+                experience.action_mask = torch.zeros_like(experience.action_mask)
+            experience.info["rollout_logprob_nonfinite"] = torch.tensor([float(nonfinite)])
+        return experience
+
+
+def versions_or_untagged(experience) -> torch.Tensor:
+    """The experience's (B, A) rollout versions, or all NO_VERSION when the engine did not tag them."""
+    versions = getattr(experience, "rollout_versions", None)
+    if versions is None:
+        return torch.full_like(experience.action_mask, NO_VERSION, dtype=torch.long)
+    return versions
