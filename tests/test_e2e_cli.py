@@ -38,12 +38,17 @@ def test_async_run(tiny_world, tmp_path):
     _check_run(run_dir, rc, log, steps=2)
 
 
-def test_async_partial_run_with_ess_lr(tiny_world, tmp_path):
+def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     run_dir = str(tmp_path)
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.ess_lr_enable"]
-    rc, log = run_cli(tiny_args(tiny_world, run_dir, steps_prompts=24) + flags, run_dir)
+    flags += ["--algo.tis_cap", "2", "--algo.max_version_lag", "3"]
+    flags += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.off_policy_k2_enable"]
+    args = tiny_args(tiny_world, run_dir, steps_prompts=24)
+    args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
+    rc, log = run_cli(args + flags + ["--ref.num_gpus_per_node", "1"], run_dir)
     scalars = _check_run(run_dir, rc, log, steps=3)
-    assert "vLLM engines will return sampled-token log-probs" in log
+    last = {tag: values[-1][1] for tag, values in scalars.items()}
+    # ESS LR
     scale = [v for _, v in scalars["train/lr_scale"]]
     rho = [v for _, v in scalars["train/rho_ess"]]
     lr = [v for _, v in scalars["train/actor_lr"]]
@@ -54,6 +59,19 @@ def test_async_partial_run_with_ess_lr(tiny_world, tmp_path):
         assert s == pytest.approx(max(0.1, min(1.0, r**0.5)), rel=1e-5)  # sqrt rule, floor 0.1
         assert e == pytest.approx(a * s, rel=1e-5)
     assert [v for _, v in scalars["train/ess_lr_missing"]] == [0.0] * 3
+    # versions: partial rollouts span weight versions, so some tokens lag by >= 1 after the first step
+    assert max(v for _, v in scalars["train/version_lag/max"]) >= 1
+    fracs = [last[f"train/version_lag/frac_{b}"] for b in ("0", "1", "2", "3+")]
+    assert sum(fracs) == pytest.approx(1.0)
+    # TIS (token level, through upstream's PolicyLoss) and mismatch
+    assert 0 <= last["train/tis/clip_frac"] <= 1 and last["train/tis/max_weight"] <= 2 + 1e-5
+    assert "train/is_filter_ratio" in scalars and "train/vllm_kl" in scalars  # upstream's own IS metrics
+    for key in ("k1", "k3", "chi2", "max_abs_log_ratio"):
+        assert f"train/mismatch/{key}" in scalars
+    assert last["train/mismatch/k3"] >= 0
+    # k2 KL loss with a reference model
+    assert "train/kl" in scalars
+    assert [v for _, v in scalars["train/rollout_logprob_nonfinite"]] == [0.0] * 3
 
 
 @pytest.mark.slow

@@ -106,3 +106,66 @@ def test_mu_and_versions_exact_across_mid_flight_sync(tiny_world):
         window = slice(boundary - 3, boundary + 3)
         assert (hf[0][window] - hf[1][window]).abs().min().item() > 1e-3
         assert (mu - other).abs().max().item() > 0.05
+
+
+AGENT = """
+import torch
+from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+
+class AgentInstance(AgentInstanceBase):
+    def __init__(self, *args, **kwargs):
+        self.turn = 0
+
+    async def reset(self, states, **kwargs):
+        return {"observation": states["observation"]}
+
+    async def step(self, states, **kwargs):
+        self.turn += 1
+        return {"rewards": torch.tensor(1.0), "scores": torch.tensor(1.0), "environment_feedback": " ok =",
+                "done": self.turn >= 2, "sampling_params": states["sampling_params"], "extra_logs": {}}
+
+
+class AgentExecutor(MultiTurnAgentExecutor):
+    def __init__(self):
+        super().__init__(AgentInstance)
+"""
+
+
+def test_multi_turn_environment_tokens_carry_no_mu_or_version(tiny_world, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
+
+    from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    model_dir = tiny_world["model"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
+    with local_ray() as ray:
+        from openrlhf_ess.trainer.ray.vllm_engine import RolloutRayActor
+
+        kwargs = {**_engine_kwargs(model_dir), "agent_func_path": str(agent)}
+        engine = RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(**kwargs)
+        # each turn ends at the first digit, so both turns fit in the budget
+        params = SamplingParams(temperature=1.0, stop_token_ids=digits, seed=0)
+        resp = ray.get(engine.generate_responses.remote("ab =", None, params, max_length=200, hf_tokenizer=tok))[0]
+
+    obs, versions, mu = resp["observation_tokens"], resp["rollout_versions"], resp["rollout_log_probs"]
+    (s1, e1), (s2, e2) = resp["action_ranges"]
+    feedback = list(range(e1, s2))
+    assert len(feedback) == len(tok(" ok =", add_special_tokens=False)["input_ids"])
+    assert all(versions[i] == -1 and mu[i] == 0.0 for i in feedback)  # environment: no version, no μ
+    assert all(v == 0 for v in versions[s1:e1] + versions[s2:e2])  # sampled tokens, no sync happened
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = model(torch.tensor([obs])).logits[0].float().log_softmax(-1)
+    for start, end in ((s1, e1), (s2, e2)):
+        hf = lp[torch.arange(start - 1, end - 1), torch.tensor(obs[start:end])]
+        assert (hf - torch.tensor(mu[start:end])).abs().max().item() < 1e-4
+    # through the generator: environment tokens are outside action_mask, so never importance-weighted
+    gen = SamplesGenerator.__new__(SamplesGenerator)
+    exp = gen._process_response_into_experience(resp, max_len=200)
+    mask = exp.action_mask[0]
+    assert mask[e1 - 1 : s2 - 1].sum().item() == 0 and mask.sum().item() == (e1 - s1) + (e2 - s2)

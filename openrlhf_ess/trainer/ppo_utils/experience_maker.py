@@ -59,14 +59,10 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         lags, masks, prox, mu, tis = [], [], [], [], []
         stale = torch.zeros((), dtype=torch.float64)
         for exp in experiences:
-            versions = exp.rollout_versions
-            sampled = exp.action_mask.bool() & (versions != NO_VERSION)
-            lag = torch.where(sampled, self.weight_version - versions, torch.zeros_like(versions))
-            if max_lag is not None:
-                too_stale = sampled & (lag > max_lag)
-                stale += too_stale.sum()
-                exp.action_mask = exp.action_mask & ~too_stale
-                sampled = sampled & ~too_stale
+            exp.action_mask, lag, sampled, n_stale = mask_stale_tokens(
+                exp.action_mask, exp.rollout_versions, self.weight_version, max_lag
+            )
+            stale += n_stale
             lags.append(lag[sampled])
             if exp.rollout_log_probs is not None:
                 mask = exp.action_mask.bool()
@@ -90,6 +86,20 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                 }
             )
         return experiences
+
+
+def mask_stale_tokens(action_mask: torch.Tensor, versions: torch.Tensor, version: int, max_lag):
+    """Version lag of each sampled token and the action mask without tokens older than ``max_lag``.
+
+    Returns (action_mask, lag (B, A), sampled (B, A) bool: tagged tokens still in the mask, n_masked).
+    Untagged tokens (NO_VERSION) are never masked by lag: there is nothing to measure.
+    """
+    sampled = action_mask.bool() & (versions != NO_VERSION)
+    lag = torch.where(sampled, version - versions, torch.zeros_like(versions))
+    if max_lag is None:
+        return action_mask, lag, sampled, 0
+    too_stale = sampled & (lag > max_lag)
+    return action_mask & ~too_stale, lag, sampled & ~too_stale, int(too_stale.sum())
 
 
 def rollout_metrics(lags: torch.Tensor, stale: torch.Tensor, prox: list, mu: list, masks: list) -> Dict[str, float]:

@@ -1,0 +1,156 @@
+"""Unit tests of the rollout-side pieces: version bookkeeping, lag masking, μ sanitising, TIS maths,
+sequence-level TIS in the policy loss, mismatch metrics. Hand-derived numbers in comments."""
+
+import math
+
+import pytest
+import torch
+
+from openrlhf_ess import cpu_compat
+
+cpu_compat.apply()
+
+from openrlhf.models.loss import PolicyLoss as UpstreamPolicyLoss  # noqa: E402
+
+from openrlhf_ess.models import corrections as C  # noqa: E402
+from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
+from openrlhf_ess.trainer.ppo_utils.experience_maker import mask_stale_tokens, rollout_metrics  # noqa: E402
+from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, _Progress, versions_for_observation  # noqa: E402
+
+
+def test_progress_records_one_boundary_per_sync():
+    p = _Progress(version=3)
+    p.streamed = 5
+    p.switch(4)  # 5 tokens by v3, then v4
+    p.streamed = 5
+    p.switch(5)  # no token by v4: the stretch is relabelled, not split
+    p.streamed = 9
+    assert p.token_versions(9) == [3] * 5 + [5] * 4
+
+
+def test_queued_request_takes_the_new_version():
+    p = _Progress(version=0)
+    p.switch(1)  # synced before its first token
+    p.streamed = 4
+    assert p.token_versions(4) == [1, 1, 1, 1]
+
+
+def test_versions_for_multi_turn_observation():
+    # prompt 3 tokens, action 2 (v0), env feedback 2, action 3 (v0, v1, v1)
+    out = versions_for_observation(10, [(3, 5), (7, 10)], [[0, 0], [0, 1, 1]])
+    assert out == [NO_VERSION] * 3 + [0, 0] + [NO_VERSION] * 2 + [0, 1, 1]
+
+
+def test_versions_left_untagged_on_mismatch():
+    assert versions_for_observation(5, [(2, 5)], [[0, 0], [1]]) == [NO_VERSION] * 5
+    assert versions_for_observation(5, [(2, 5)], [[0, 0]]) == [NO_VERSION] * 5
+
+
+def test_mask_stale_tokens():
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    versions = torch.tensor([[1, 2, 3, NO_VERSION, 3]])
+    new_mask, lag, sampled, n = mask_stale_tokens(mask, versions, version=4, max_lag=2)
+    # lags 3, 2, 1 on the tagged tokens; only lag 3 > 2 is masked; the untagged token stays
+    assert lag.tolist() == [[3, 2, 1, 0, 0]]
+    assert new_mask.tolist() == [[0, 1, 1, 1, 0]] and n == 1
+    assert sampled.tolist() == [[False, True, True, False, False]]
+    same, _, _, n0 = mask_stale_tokens(mask, versions, version=4, max_lag=None)
+    assert torch.equal(same, mask) and n0 == 0
+
+
+def test_rollout_metrics_histogram_and_mismatch():
+    lags = torch.tensor([0, 1, 1, 4])
+    prox = [torch.tensor([-1.0, -2.0])]
+    mu = [torch.tensor([-1.0, -2.0 - math.log(2.0)])]  # r = 1, 2
+    out = rollout_metrics(lags, torch.tensor(3.0), prox, mu, [torch.tensor([True, True])])
+    assert out["version_lag/mean"] == 1.5 and out["version_lag/max"] == 4
+    assert out["version_lag/frac_0"] == 0.25 and out["version_lag/frac_1"] == 0.5
+    assert out["version_lag/frac_2"] == 0.0 and out["version_lag/frac_3+"] == 0.25
+    assert out["version_lag/stale_masked_tokens"] == 3.0
+    # k1 = mean(-log r) = -log2/2; k3 = mean(r-1-log r) = (0 + 1 - log2)/2; chi2 = mean(r^2) - 1 = 1.5
+    assert out["mismatch/k1"] == pytest.approx(-math.log(2) / 2)
+    assert out["mismatch/k3"] == pytest.approx((1 - math.log(2)) / 2)
+    assert out["mismatch/chi2"] == pytest.approx(1.5)
+    assert out["mismatch/max_abs_log_ratio"] == pytest.approx(math.log(2))
+
+
+def test_tis_weights_token_and_seq():
+    prox = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mu = torch.tensor([[0.0, -math.log(3.0), math.log(2.0)], [-math.log(4.0), 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    tok = C.tis_weights(prox, mu, mask, cap=2.0, level="token")
+    # ratios: [1, 3 -> capped 2, 1/2], [4 -> 2, 1, masked 0]
+    assert torch.allclose(tok, torch.tensor([[1.0, 2.0, 0.5], [2.0, 1.0, 0.0]]), atol=1e-6)
+    seq = C.tis_weights(prox, mu, mask, cap=2.0, level="seq")
+    # row 1: geo mean = exp((0 + log3 - log2)/3) = 1.5^(1/3) = 1.1447; row 2: exp(log4/2) = 2 (= cap)
+    assert torch.allclose(seq, torch.tensor([[1.5 ** (1 / 3)] * 3, [2.0, 2.0, 0.0]]), atol=1e-6)
+
+
+def test_sequence_tis_loss_matches_hand_computation():
+    torch.manual_seed(0)
+    B, T = 3, 4
+    log_probs = (-torch.rand(B, T)).requires_grad_()
+    old = log_probs.detach() + 0.3 * torch.randn(B, T)
+    mu = old - 0.5 * torch.randn(B, 1)  # per-sequence discrepancy
+    adv = torch.randn(B, T)
+    mask = torch.ones(B, T)
+    mask[2, 3] = 0
+    base = UpstreamPolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2)
+    ours = PolicyLoss.from_upstream(base, tis_cap=1.5, tis_level="seq")
+    loss, _, _, vllm_kl, clipped = ours(log_probs, old, adv, action_mask=mask, rollout_log_probs=mu)
+    # by hand: w_i = min(exp(mean_t (old - mu)), 1.5); L = sum_it -w_i min(r A, clip(r) A) m / sum m
+    w = torch.exp(((old - mu) * mask).sum(1) / mask.sum(1)).clamp(max=1.5)[:, None]
+    r = torch.exp(log_probs - old)
+    per_token = -w * torch.min(r * adv, r.clamp(0.8, 1.2) * adv)
+    expected = (per_token * mask).sum() / mask.sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    g_ours = torch.autograd.grad(loss, log_probs)[0]
+    g_hand = torch.autograd.grad(expected, log_probs)[0]
+    assert torch.allclose(g_ours, g_hand, atol=1e-7)
+    assert clipped.item() == pytest.approx((w[:, 0] >= 1.5 * (1 - 1e-6)).float().mean().item())
+    assert vllm_kl.item() == pytest.approx((((mu - old) * mask).sum() / mask.sum()).item(), rel=1e-6)
+
+
+def test_token_tis_through_upstream_flags_equals_hand_computation():
+    # --algo.tis_cap 2 (token) configures upstream's PolicyLoss: level token, clip mode, threshold [0, 2]
+    torch.manual_seed(1)
+    log_probs = -torch.rand(2, 5)
+    old = log_probs + 0.2 * torch.randn(2, 5)
+    mu = old - torch.randn(2, 5)
+    adv = torch.randn(2, 5)
+    mask = torch.ones(2, 5)
+    loss_fn = UpstreamPolicyLoss(
+        is_correction_level="token", is_correction_mode="clip", is_correction_threshold=[0.0, 2.0]
+    )
+    loss, *_ = loss_fn(log_probs, old, adv, action_mask=mask, rollout_log_probs=mu)
+    r = torch.exp(log_probs - old)
+    w = torch.exp(old - mu).clamp(max=2.0)  # min(pi_prox/mu, C)
+    expected = (-w * torch.min(r * adv, r.clamp(0.8, 1.2) * adv)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_nonfinite_mu_sample_is_masked_and_counted():
+    from types import SimpleNamespace
+
+    from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    gen = SamplesGenerator.__new__(SamplesGenerator)
+    gen.args = SimpleNamespace()
+    response = {
+        "observation_tokens": [5, 6, 7, 8, 9],
+        "action_ranges": [(2, 5)],
+        "rollout_log_probs": [0.0, 0.0, -1.0, float("-inf"), -2.0],
+        "rollout_versions": [-1, -1, 0, 0, 1],
+        "prompt": "p",
+        "label": None,
+        "reward": 0.5,
+        "scores": 0.5,
+    }
+    exp = gen._process_response_into_experience(response, max_len=64)
+    assert exp.action_mask.sum().item() == 0  # the whole sample is dropped from the loss
+    assert torch.isfinite(exp.rollout_log_probs).all()
+    assert exp.info["rollout_logprob_nonfinite"].tolist() == [1.0]
+    assert exp.rollout_versions.tolist() == [[-1, 0, 0, 1]]  # aligned with action_mask (shifted by one)
+    response["rollout_log_probs"][3] = -0.5
+    ok = gen._process_response_into_experience(response, max_len=64)
+    assert ok.action_mask.tolist() == [[0, 1, 1, 1]] and ok.info["rollout_logprob_nonfinite"].tolist() == [0.0]
