@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_ess_lr_arguments(parser)
     add_off_policy_arguments(parser)
+    add_prox_arguments(parser)
     group = parser.add_argument_group("openrlhf-ess: engine and machine")
     group.add_argument(
         "--vllm.dtype",
@@ -156,6 +157,49 @@ def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+PROX_MODES = ("recompute", "snapshot", "ewma", "loglinear")
+
+
+def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "openrlhf-ess: proximal policy (old log-probs) under async training",
+        "pi_prox, the 'old' policy of the PPO ratio, should be the training-side policy at the version that "
+        "sampled each token. Upstream recomputes it with the current weights (recompute).",
+    )
+    group.add_argument(
+        "--algo.prox_mode",
+        type=str,
+        default="recompute",
+        choices=list(PROX_MODES),
+        help="recompute: upstream (current weights; default, bit-exact). snapshot: exact; the actor keeps host "
+        "copies of the last --algo.prox_snapshots versions and scores each token with its version's weights "
+        "(one extra actor forward per distinct stale version, K x model host memory). ewma: PPO-EWMA, the "
+        "bias-corrected EWMA of the actor weights (one extra forward, 1 x model host memory). loglinear: AReaL's "
+        "interpolation log mu + L/(L+1) (log pi_V - log mu) by version lag L (no extra forward).",
+    )
+    group.add_argument(
+        "--algo.prox_snapshots",
+        type=int,
+        default=4,
+        help="snapshot mode: versions kept. Must cover the deepest lag the queue allows "
+        "(async_queue_size + 1, + 1 more with partial rollouts), or --algo.max_version_lag + 1.",
+    )
+    group.add_argument(
+        "--algo.prox_missing",
+        type=str,
+        default="mask",
+        choices=["mask", "error"],
+        help="snapshot mode: a token whose version is no longer kept is masked out and counted (mask) or "
+        "stops the run (error). It is never scored with other weights.",
+    )
+    group.add_argument(
+        "--algo.prox_ewma_decay",
+        type=float,
+        default=0.9,
+        help="ewma mode: decay beta of the weight EWMA, in (0, 1), updated after every optimizer step.",
+    )
+
+
 def needs_rollout_logprobs(args: types.SimpleNamespace) -> bool:
     """Whether any enabled feature consumes mu, the engine's sampled-token log-probs."""
     algo = args.algo
@@ -164,6 +208,7 @@ def needs_rollout_logprobs(args: types.SimpleNamespace) -> bool:
         or algo.advantage.is_correction_level != "off"
         or algo.tis_cap is not None
         or algo.kl.off_policy_k2_enable
+        or algo.prox_mode != "recompute"
     )
 
 
@@ -313,9 +358,50 @@ def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> Non
                 "--algo.kl.off_policy_k2_enable and --algo.kl.unbiased_gradient both replace the KL gradient: "
                 "keep one (ours adds the min(pi_prox/mu, C) discrepancy term to upstream's pi_theta/pi_old weight)."
             )
+    _validate_prox(args)
     if needs_rollout_logprobs(args) and not args.vllm.num_engines:
         raise ConfigError(
             "rollout log-probs (mu) come from vLLM engines: the off-policy features need --vllm.num_engines >= 1."
         )
     if needs_rollout_logprobs(args) and not upstream_is and algo.tis_cap is None:
         notices.append("vLLM engines will return sampled-token log-probs (mu), as the enabled features need them.")
+
+
+def max_lag_possible(args: types.SimpleNamespace) -> int:
+    """The deepest version lag a token can have when consumed, given the queue (and partial rollouts)."""
+    if not args.train.async_enable:
+        return 0
+    return args.train.async_queue_size + (1 if args.train.partial_rollout_enable else 0)
+
+
+def _validate_prox(args: types.SimpleNamespace) -> None:
+    algo = args.algo
+    mode = algo.prox_mode
+    if mode == "recompute":
+        changed = algo.prox_snapshots != 4 or algo.prox_missing != "mask" or algo.prox_ewma_decay != 0.9
+        if changed:
+            raise ConfigError(
+                "--algo.prox_snapshots/--algo.prox_missing/--algo.prox_ewma_decay are set but --algo.prox_mode is "
+                "recompute: choose --algo.prox_mode snapshot or ewma, or drop them."
+            )
+        return
+    if mode in ("snapshot", "ewma") and args.ds.zero_stage == 3:
+        raise ConfigError(
+            f"--algo.prox_mode {mode} scores tokens by swapping full weights into the actor, which ZeRO-3 shards: "
+            "use --ds.zero_stage 0-2, or --algo.prox_mode loglinear (no extra forward)."
+        )
+    if mode in ("snapshot", "ewma") and args.ds.tensor_parallel_size > 1:
+        raise ConfigError(f"--algo.prox_mode {mode} needs full weights per rank: drop --ds.tensor_parallel_size.")
+    if mode == "snapshot":
+        needed = max_lag_possible(args) + 1
+        if algo.max_version_lag is not None:
+            needed = min(needed, algo.max_version_lag + 1)
+        if algo.prox_snapshots < needed:
+            raise ConfigError(
+                f"--algo.prox_snapshots {algo.prox_snapshots} is smaller than the {needed} versions a token can lag "
+                f"behind with --train.async_queue_size {args.train.async_queue_size}"
+                f"{' and partial rollouts' if args.train.partial_rollout_enable else ''}: tokens would lose their "
+                f"weights. Set --algo.prox_snapshots {needed} (or bound --algo.max_version_lag)."
+            )
+    if mode == "ewma" and not 0 < algo.prox_ewma_decay < 1:
+        raise ConfigError(f"--algo.prox_ewma_decay must be in (0, 1), got {algo.prox_ewma_decay}.")

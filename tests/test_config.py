@@ -17,6 +17,33 @@ BAD = [
     (["--vllm.sync_backend", "shm"], r"--vllm.sync_backend 'shm' is unknown"),
     (["--vllm.sync_backend", "reload", "--vllm.sync_with_ray"], r"--vllm.sync_with_ray applies to nccl/gloo"),
     (["--vllm.cpu_kv_cache_gb", "0"], r"--vllm.cpu_kv_cache_gb must be > 0"),
+    (["--algo.tis_cap", "0"], r"--algo.tis_cap must be > 0"),
+    (["--algo.tis_cap", "2", "--algo.advantage.is_correction_level", "token"], r"not both"),
+    (["--algo.tis_cap", "2", "--actor.policy_loss_type", "gspo"], r"use --actor.policy_loss_type ppo"),
+    (["--algo.tis_level", "seq"], r"--algo.tis_cap is not"),
+    (["--algo.max_version_lag", "-1"], r"--algo.max_version_lag must be >= 0"),
+    (["--algo.kl.off_policy_k2_enable"], r"add --algo.kl.use_loss"),
+    (
+        ["--algo.kl.off_policy_k2_enable", "--algo.kl.use_loss", "--algo.kl.unbiased_gradient"],
+        r"keep one",
+    ),
+    (["--algo.tis_cap", "2", "--vllm.num_engines", "0"], r"--vllm.num_engines >= 1"),
+    (["--algo.prox_mode", "snapshot", "--ds.zero_stage", "3"], r"ZeRO-3 shards"),
+    (
+        [
+            "--algo.prox_mode",
+            "snapshot",
+            "--algo.prox_snapshots",
+            "2",
+            "--train.async_enable",
+            "--train.async_queue_size",
+            "2",
+            "--train.partial_rollout_enable",
+        ],
+        r"--algo.prox_snapshots 2 is smaller than the 4 versions",
+    ),
+    (["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "1"], r"--algo.prox_ewma_decay must be in \(0, 1\)"),
+    (["--algo.prox_snapshots", "8"], r"--algo.prox_mode is recompute"),
 ]
 
 
@@ -79,3 +106,17 @@ def test_cpu_default_sync_backend_is_reload(tiny_world):
     args, notices = cli.parse_args(_base(tiny_world))
     assert args.vllm.sync_backend == "reload"
     assert any("nccl -> reload" in n for n in notices)
+
+
+def test_token_tis_configures_upstream_flags(tiny_world):
+    args, _ = cli.parse_args(_base(tiny_world) + ["--algo.tis_cap", "2"])
+    adv = args.algo.advantage
+    assert (adv.is_correction_level, adv.is_correction_mode, adv.is_correction_gating) == ("token", "clip", "ratio")
+    assert adv.is_correction_threshold == [0.0, 2.0]
+
+
+def test_snapshot_lag_bound_lowers_the_requirement(tiny_world):
+    flags = ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "2", "--train.async_enable"]
+    flags += ["--train.async_queue_size", "4", "--algo.max_version_lag", "1"]
+    args, _ = cli.parse_args(_base(tiny_world) + flags)  # lag <= 1 needs versions V and V-1 only
+    assert args.algo.prox_snapshots == 2

@@ -154,3 +154,12 @@ def test_nonfinite_mu_sample_is_masked_and_counted():
     response["rollout_log_probs"][3] = -0.5
     ok = gen._process_response_into_experience(response, max_len=64)
     assert ok.action_mask.tolist() == [[0, 1, 1, 1]] and ok.info["rollout_logprob_nonfinite"].tolist() == [0.0]
+
+
+def test_loglinear_prox_by_hand():
+    mu = torch.tensor([[-2.0, -2.0, -2.0, -2.0]])
+    current = torch.tensor([[-1.0, -1.0, -1.0, -1.0]])
+    lag = torch.tensor([[0, 1, 3, 9]])
+    out = C.loglinear_prox_log_probs(mu, current, lag)
+    # alpha = L/(L+1): 0, 1/2, 3/4, 9/10 of the way from log mu (-2) to log pi_V (-1)
+    assert torch.allclose(out, torch.tensor([[-2.0, -1.5, -1.25, -1.1]]))

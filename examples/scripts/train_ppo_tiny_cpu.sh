@@ -51,6 +51,8 @@ rm -rf "$RUN_DIR/tensorboard"
 python -m openrlhf_ess.cli.train_ppo_ray "${args[@]}" "$@" 2>&1 | tee "$RUN_DIR/train.log"
 echo
 python -m openrlhf_ess.tools.summary "$RUN_DIR/tensorboard"
+python -m openrlhf_ess.tools.plots "$RUN_DIR/tensorboard" "$RUN_DIR/plots"
 echo "logs:        $RUN_DIR/train.log"
 echo "tensorboard: $RUN_DIR/tensorboard   (tensorboard --logdir $RUN_DIR/tensorboard)"
+echo "plots:       $RUN_DIR/plots"
 echo "model:       $RUN_DIR/ckpt"

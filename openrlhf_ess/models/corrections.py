@@ -137,6 +137,24 @@ def tis_weights(
 TIS_LEVELS = ("token", "seq")
 
 
+# ---- approximate proximal policy without an extra forward (DESIGN.md §4, "loglinear") --------------------
+
+
+def loglinear_prox_log_probs(
+    rollout_log_probs: torch.Tensor, current_log_probs: torch.Tensor, version_lag: torch.Tensor
+) -> torch.Tensor:
+    r"""AReaL's log-linear proximal policy: log π_prox = log μ + α (log π_V − log μ), α = L / (L + 1).
+
+    μ is the behaviour policy (the engine at the token's version v), π_V the training-side policy at the
+    version V being trained (upstream's recomputed log-prob) and L = V − v the version lag. α is AReaL's
+    (v_prox − v_behave)/(v_θ − v_behave) with v_prox = V and v_θ = V + 1 (arXiv 2505.24298 §4 and its code):
+    a fresh token (L = 0) keeps π_prox = μ, a very stale one tends to π_V. Shapes (B, T); no forward.
+    """
+    lag = version_lag.to(current_log_probs.dtype).clamp(min=0)
+    alpha = lag / (lag + 1)
+    return rollout_log_probs + alpha * (current_log_probs - rollout_log_probs)
+
+
 # ---- KL-to-reference loss: k1/k2/k3 value, importance-weighted k2 gradient (DESIGN.md §2, k2 option) -------
 
 KL_VALUE_ESTIMATORS = ("k1", "k2", "k3")

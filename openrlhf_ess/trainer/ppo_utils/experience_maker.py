@@ -46,6 +46,12 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
             batch.rollout_versions = versions[:, : batch.action_mask.shape[1]]
         return samples_list
 
+    def _dispatch_forward(self, group, sync_condition, **kwargs):
+        """Extends upstream's: the actor's forward also gets the token versions (snapshot/ewma modes)."""
+        if group is self.actor_model_group and self.args.algo.prox_mode in ("snapshot", "ewma"):
+            kwargs["rollout_versions"] = [s.rollout_versions for s in self._samples_in_flight]
+        return super()._dispatch_forward(group, sync_condition, **kwargs)
+
     @torch.no_grad()
     def make_experience(self, samples_list: List):
         """Extends upstream's: mask too-stale tokens and compute the batch's off-policy metrics.
@@ -53,17 +59,39 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         Tokens whose version lag exceeds ``--algo.max_version_lag`` get action_mask 0 before advantages
         are computed (and are counted); they never reach the loss.
         """
-        experiences = super().make_experience(samples_list)
+        self._samples_in_flight = samples_list
+        try:
+            experiences = super().make_experience(samples_list)
+        finally:
+            self._samples_in_flight = None
         algo = self.args.algo
         max_lag = algo.max_version_lag
         lags, masks, prox, mu, tis = [], [], [], [], []
         stale = torch.zeros((), dtype=torch.float64)
+        prox_missing = 0
         for exp in experiences:
             exp.action_mask, lag, sampled, n_stale = mask_stale_tokens(
                 exp.action_mask, exp.rollout_versions, self.weight_version, max_lag
             )
             stale += n_stale
             lags.append(lag[sampled])
+            if algo.prox_mode == "loglinear" and exp.rollout_log_probs is not None:
+                tagged = exp.rollout_versions != NO_VERSION
+                interpolated = corrections.loglinear_prox_log_probs(exp.rollout_log_probs, exp.action_log_probs, lag)
+                exp.action_log_probs = torch.where(tagged, interpolated, exp.action_log_probs)
+            missing = torch.isnan(exp.action_log_probs) & exp.action_mask.bool()
+            if missing.any():  # snapshot mode: a version no longer kept (never scored with other weights)
+                if algo.prox_missing == "error":
+                    raise RuntimeError(
+                        f"{int(missing.sum())} tokens were sampled by a weight version no longer kept "
+                        f"(--algo.prox_snapshots {algo.prox_snapshots}); raise it or bound --algo.max_version_lag, "
+                        "or use --algo.prox_missing mask."
+                    )
+                prox_missing += int(missing.sum())
+                exp.action_mask = exp.action_mask & ~missing
+                if exp.kl is not None:  # upstream's KL-in-reward saw the NaN too; those tokens are masked now
+                    exp.kl = torch.nan_to_num(exp.kl, nan=0.0)
+            exp.action_log_probs = torch.nan_to_num(exp.action_log_probs, nan=0.0)
             if exp.rollout_log_probs is not None:
                 mask = exp.action_mask.bool()
                 masks.append(mask.flatten())
@@ -75,6 +103,8 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                     )
                     tis.append(w[mask])
         self.last_metrics = rollout_metrics(torch.cat(lags), stale, prox, mu, masks)
+        if algo.prox_mode != "recompute":
+            self.last_metrics["prox/masked_missing_tokens"] = float(prox_missing)
         if tis:
             w = torch.cat(tis)
             # a weight equal to the cap is one the cap truncated (or that sat exactly on it)

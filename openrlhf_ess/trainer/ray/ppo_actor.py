@@ -10,6 +10,7 @@ from openrlhf_ess import cpu_compat
 cpu_compat.apply()
 
 import contextvars  # noqa: E402
+import time  # noqa: E402
 
 import deepspeed  # noqa: E402
 import ray  # noqa: E402
@@ -21,7 +22,7 @@ from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.config import RELOAD_BACKEND  # noqa: E402
 from openrlhf_ess.models import corrections  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
-from openrlhf_ess.trainer import ess_lr  # noqa: E402
+from openrlhf_ess.trainer import ess_lr, prox  # noqa: E402
 
 # (μ of the micro-batch in training_step, IS cap) for the off-policy k2 KL below.
 _K2_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("openrlhf_ess_k2_context")
@@ -50,6 +51,15 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         algo = self.args.algo
         if algo.tis_cap is not None and algo.tis_level == "seq":
             self.actor_loss_fn = PolicyLoss.from_upstream(self.actor_loss_fn, algo.tis_cap, algo.tis_level)
+        # π_prox sources (shared/DESIGN.md §4): host copies per version, or EWMA weights
+        self.snapshots = self.ewma = None
+        self._prox_seconds, self._prox_forwards, self._prox_missing = 0.0, 0, 0
+        self._optimizer_steps_seen = 0
+        if algo.prox_mode == "snapshot":
+            self.snapshots = prox.WeightSnapshots(algo.prox_snapshots)
+            self.snapshots.put(self.weight_version, self.actor.model.module)
+        elif algo.prox_mode == "ewma":
+            self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
         self.lr_scale_hook = None
         if self.args.algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
@@ -63,22 +73,79 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         """Overrides upstream's only with --algo.kl.off_policy_k2_enable: the KL-loss gradient becomes
         the k2 surrogate's weighted by (π_θ/π_prox)·min(π_prox/μ, C). The rest of the step is upstream's."""
-        if not self.args.algo.kl.off_policy_k2_enable:
+        if not self.args.algo.kl.off_policy_k2_enable and self.ewma is None:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
-        cap = self.args.algo.tis_cap if self.args.algo.tis_cap is not None else K2_DEFAULT_IS_CAP
-        token = _K2_CONTEXT.set((experience.rollout_log_probs, cap))
-        try:
-            return self._k2_training_step(experience, kl_ctl, step, loss_batch_info)
-        finally:
-            _K2_CONTEXT.reset(token)
+        if self.args.algo.kl.off_policy_k2_enable:
+            cap = self.args.algo.tis_cap if self.args.algo.tis_cap is not None else K2_DEFAULT_IS_CAP
+            token = _K2_CONTEXT.set((experience.rollout_log_probs, cap))
+            try:
+                status = self._k2_training_step(experience, kl_ctl, step, loss_batch_info)
+            finally:
+                _K2_CONTEXT.reset(token)
+        else:
+            status = super().training_step(experience, kl_ctl, step, loss_batch_info)
+        if self.ewma is not None and self.actor.model.global_steps > self._optimizer_steps_seen:
+            # PPO-EWMA averages the weights after every optimizer step (accumulation boundaries only)
+            self._optimizer_steps_seen = self.actor.model.global_steps
+            self.ewma.update(self.actor.model.module)
+        return status
+
+    def proximal_log_probs(self, current: torch.Tensor, versions: torch.Tensor, forward) -> torch.Tensor:
+        """π_prox per token for snapshot/ewma modes; ``current`` is the forward with the live weights.
+
+        snapshot: tokens of version v get the forward with v's weights (live weights for the current
+        version); a version no longer kept gives NaN, which the controller masks and counts (or stops
+        on, per --algo.prox_missing). ewma: one forward with the bias-corrected EWMA weights.
+        """
+        t0 = time.time()
+        model = self.actor.model.module
+        if self.ewma is not None:
+            state = self.ewma.state()
+            if state is None:  # no optimizer step yet: the EWMA equals the initial weights
+                return current
+            with prox.swapped_weights(model, state):
+                out = forward()
+            self._prox_forwards += 1
+        else:
+            out = current.clone()
+            stale = sorted(set(versions[versions >= 0].unique().tolist()) - {self.weight_version})
+            for version in stale:
+                selected = versions == version
+                state = self.snapshots.get(version)
+                if state is None:
+                    out[selected] = float("nan")
+                    self._prox_missing += int(selected.sum())
+                    continue
+                with prox.swapped_weights(model, state):
+                    scored = forward()
+                out[selected] = scored[selected]
+                self._prox_forwards += 1
+        self._prox_seconds += time.time() - t0
+        return out
+
+    def prox_metrics(self) -> dict:
+        """Cost of the π_prox mode since the last call: extra forward time and count, host memory."""
+        stored = self.snapshots.nbytes() if self.snapshots is not None else self.ewma.nbytes()
+        out = {
+            "prox/extra_forward_seconds": self._prox_seconds,
+            "prox/extra_forwards": float(self._prox_forwards),
+            "prox/missing_version_tokens": float(self._prox_missing),
+            "prox/host_memory_mb": stored / 2**20,
+        }
+        self._prox_seconds, self._prox_forwards, self._prox_missing = 0.0, 0, 0
+        return out
 
     def ppo_train(self, kl_ctl: float):
         """Wraps upstream's ppo_train: this rollout's optimizer steps run at the ESS-scaled LR.
 
         Off (the default): upstream's method runs untouched.
         """
-        if self.lr_scale_hook is None:
+        if self.lr_scale_hook is None and self.snapshots is None and self.ewma is None:
             return super().ppo_train(kl_ctl)
+        if self.lr_scale_hook is None:
+            status = super().ppo_train(kl_ctl)
+            status.update(self.prox_metrics())
+            return status
         algo = self.args.algo
         scale, metrics = ess_lr.global_lr_scale(
             self.replay_buffer.items, algo.ess_lr_weight, algo.ess_lr_rule, algo.ess_lr_floor
@@ -88,6 +155,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         status.update(metrics)
         # engine.get_lr() / the scheduler report the unscaled LR; log what the optimizer really used.
         status["actor_lr_effective"] = self.actor_scheduler.get_last_lr()[0] * scale
+        if self.snapshots is not None or self.ewma is not None:
+            status.update(self.prox_metrics())
         return status
 
     def _init_vllm_sync_group(self, backend: str):
@@ -107,8 +176,14 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             self._reload_to_vllm()
         else:
             super().broadcast_to_vllm()
+        self.advance_version()
+
+    def advance_version(self):
+        """After a complete weight sync: count it, snapshot the weights (snapshot mode), tell the engines."""
         self.weight_version += 1
-        if config.needs_versions(self.args) and torch.distributed.get_rank() == 0:
+        if self.snapshots is not None:
+            self.snapshots.put(self.weight_version, self.actor.model.module)
+        if self.vllm_engines and config.needs_versions(self.args) and torch.distributed.get_rank() == 0:
             ray.get([engine.set_weight_version.remote(self.weight_version) for engine in self.vllm_engines])
 
     def _reload_to_vllm(self):
@@ -143,6 +218,27 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
     init_model_from_pretrained = upstream.with_actor_trainer(
         _UpstreamPolicyModelActor.init_model_from_pretrained, ActorPPOTrainer
     )
+
+    def forward(
+        self,
+        sequences,
+        action_mask=None,
+        attention_mask=None,
+        packed_seq_lens=None,
+        mm_train_inputs_list=None,
+        rollout_versions=None,
+    ):
+        """Extends upstream's: with ``rollout_versions`` (snapshot/ewma modes) return π_prox per token."""
+        current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
+        if rollout_versions is None:
+            return current
+
+        def forward_again():
+            return super(PolicyModelActorImpl, self).forward(
+                sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
+            )
+
+        return self.trainer.proximal_log_probs(current, rollout_versions, forward_again)
 
 
 PolicyModelActor = ray.remote(num_gpus=1)(PolicyModelActorImpl)

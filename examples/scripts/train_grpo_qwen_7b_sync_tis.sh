@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# GPU recipe: GRPO on a 7B model, synchronous (generate, then train, then sync weights), with truncated IS.
+# One node, 8 GPUs: 4 vLLM engines (TP 1) + 4 actor GPUs (reference model colocated with the actor).
+# Start Ray first (ray start --head --num-gpus 8).
+#
+# Synchronous training has no staleness: every token is sampled by the weights being trained, so ESS LR
+# scaling, a version-lag bound and the off-policy k2 KL have nothing to correct here. What remains is the
+# train/inference mismatch: the engines sample in bf16 with vLLM's kernels, the trainer scores with its own.
+#   --vllm.dtype bfloat16             the engines' dtype (upstream's default, spelled out): the source of the
+#                                     mismatch that TIS corrects; float32 engines would shrink it at 2x memory.
+#   --algo.tis_cap 2                  weight each token by min(pi_prox/mu, 2): unbiased up to the cap, bounded
+#                                     variance (watch train/tis/clip_frac and train/mismatch/*).
+#   --algo.tis_level token            per-token ratio, through upstream's PolicyLoss is_correction clip mode
+#                                     (seq would use one geometric-mean weight per response).
+# Plots afterwards: python -m openrlhf_ess.tools.plots "$SAVE/tensorboard" "$SAVE/plots"
+set -x
+
+MODEL=${MODEL:-Qwen/Qwen2.5-7B-Instruct}
+DATA=${DATA:-OpenRLHF/prompt-collection-v0.1}
+REWARD=${REWARD:-examples/python/reward_func.py}   # your reward_func(queries, prompts, labels)
+SAVE=${SAVE:-./checkpoint/qwen7b-grpo-sync-tis}
+
+args=(
+   # models and data
+   --actor.model_name_or_path "$MODEL"
+   --data.prompt_dataset "$DATA"
+   --data.input_key context_messages
+   --data.apply_chat_template
+   --reward.remote_url "$REWARD"
+   # placement
+   --actor.num_nodes 1
+   --actor.num_gpus_per_node 4
+   --ref.num_nodes 1
+   --ref.num_gpus_per_node 4
+   --train.colocate_actor_ref
+   --vllm.num_engines 4
+   --vllm.tensor_parallel_size 1
+   --vllm.gpu_memory_utilization 0.85
+   --vllm.dtype bfloat16
+   # train/inference mismatch correction (openrlhf-ess)
+   --algo.tis_cap 2
+   --algo.tis_level token
+   # GRPO
+   --algo.advantage.estimator group_norm
+   --rollout.n_samples_per_prompt 8
+   --rollout.batch_size 128
+   --rollout.micro_batch_size 8
+   --train.batch_size 256
+   --train.micro_batch_size 4
+   --rollout.max_new_tokens 2048
+   --data.max_len 4096
+   --rollout.temperature 1.0
+   --algo.kl.use_loss
+   --algo.kl.estimator k3
+   --algo.kl.init_coef 1e-3
+   --actor.adam.lr 1e-6
+   # DeepSpeed
+   --ds.zero_stage 3
+   --ds.param_dtype bf16
+   --ds.attn_implementation flash_attention_2
+   --actor.gradient_checkpointing_enable
+   # logging and checkpoints
+   --ckpt.output_dir "$SAVE"
+   --ckpt.path "$SAVE/ckpt"
+   --ckpt.save_steps 20
+   --logger.tensorboard_dir "$SAVE/tensorboard"
+)
+
+python3 -m openrlhf_ess.cli.train_ppo_ray "${args[@]}" "$@"
