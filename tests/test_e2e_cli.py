@@ -43,6 +43,7 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.ess_lr_enable"]
     flags += ["--algo.tis_cap", "2", "--algo.max_version_lag", "3"]
     flags += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.off_policy_k2_enable"]
+    flags += ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"]
     args = tiny_args(tiny_world, run_dir, steps_prompts=24)
     args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
     rc, log = run_cli(args + flags + ["--ref.num_gpus_per_node", "1"], run_dir)
@@ -72,6 +73,22 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     # k2 KL loss with a reference model
     assert "train/kl" in scalars
     assert [v for _, v in scalars["train/rollout_logprob_nonfinite"]] == [0.0] * 3
+    # exact pi_prox from weight snapshots: stale versions were scored, nothing was missing
+    assert sum(v for _, v in scalars["train/prox/extra_forwards"]) >= 1
+    assert last["train/prox/host_memory_mb"] > 0
+    assert [v for _, v in scalars["train/prox/masked_missing_tokens"]] == [0.0] * 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ewma", "loglinear"])
+def test_async_partial_approximate_prox(tiny_world, tmp_path, mode):
+    run_dir = str(tmp_path)
+    flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.prox_mode", mode]
+    rc, log = run_cli(tiny_args(tiny_world, run_dir, steps_prompts=24) + flags, run_dir)
+    scalars = _check_run(run_dir, rc, log, steps=3)
+    assert "train/version_lag/mean" in scalars and "train/mismatch/k3" in scalars
+    if mode == "ewma":
+        assert "train/prox/extra_forward_seconds" in scalars
 
 
 @pytest.mark.slow
