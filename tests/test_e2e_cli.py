@@ -97,3 +97,95 @@ def test_deepspeed_launcher(tiny_world, tmp_path):
     run_dir = str(tmp_path)
     rc, log = run_cli(tiny_args(tiny_world, run_dir), run_dir, launcher=["deepspeed", "--module"])
     _check_run(run_dir, rc, log, steps=2)
+
+
+@pytest.mark.slow
+def test_ray_job_submit(tiny_world, tmp_path):
+    """`ray job submit` against a local cluster this test starts on loopback and stops (by PID)."""
+    import json
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    run_dir = str(tmp_path)
+    temp_dir = f"/tmp/ray_job_{os.getpid()}"
+    port, dash = free_port(), free_port()
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    start = [
+        ray_bin,
+        "start",
+        "--head",
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dash),
+        "--include-dashboard",
+        "true",
+        "--num-cpus",
+        "8",
+        "--num-gpus",
+        "2",
+        "--temp-dir",
+        temp_dir,
+        "--disable-usage-stats",
+    ]
+    subprocess.run(start, check=True, capture_output=True, env=env, timeout=120)
+    try:
+        args = [a for a in tiny_args(tiny_world, run_dir) if a]
+        i = args.index("--ray.temp_dir")
+        del args[i : i + 2]
+        submit = [
+            ray_bin,
+            "job",
+            "submit",
+            "--address",
+            f"http://127.0.0.1:{dash}",
+            "--runtime-env-json",
+            json.dumps({"env_vars": {"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}}),
+            "--",
+            sys.executable,
+            "-m",
+            "openrlhf_ess.cli.train_ppo_ray",
+            *args,
+            "--ray.address",
+            "auto",
+        ]
+        for _ in range(20):  # the dashboard agent takes a few seconds after `ray start` to accept jobs
+            with open(os.path.join(run_dir, "log.txt"), "w") as log:
+                rc = subprocess.run(submit, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=900).returncode
+            log_text = open(os.path.join(run_dir, "log.txt")).read()
+            if "No available agent" not in log_text:
+                break
+            time.sleep(3)
+        _check_run(run_dir, rc, log_text, steps=2)
+        assert "succeeded" in log_text
+    finally:
+        # stop exactly the cluster started above: the processes whose command line names its temp dir
+        out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+        pids = [int(line.split()[0]) for line in out.splitlines() if temp_dir in line]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        time.sleep(3)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        subprocess.run(["rm", "-rf", temp_dir])
+        left = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+        assert temp_dir not in left, "processes of the test's Ray cluster survived"

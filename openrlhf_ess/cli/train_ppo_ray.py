@@ -76,6 +76,9 @@ def init_ray(args) -> None:
         return
     address = args.ray.address or os.environ.get("RAY_ADDRESS")
     if address:
+        # Under `ray job submit` the job may carry its own runtime env; Ray refuses to merge two that
+        # share keys unless told to (the driver's values win, so our worker set-up hook is kept).
+        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(address=address, runtime_env=_runtime_env())
         return
     temp_dir = args.ray.temp_dir
