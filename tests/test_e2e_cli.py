@@ -6,6 +6,7 @@ import os
 import pytest
 
 from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
+from tests.helpers.wandb_offline import history
 
 
 def _check_run(run_dir, rc, log, steps):
@@ -17,6 +18,29 @@ def _check_run(run_dir, rc, log, steps):
     # the weights really went to vLLM each step (our reload backend, timed by upstream's trainer)
     assert len(scalars["train/timing/broadcast"]) == steps
     return scalars
+
+
+OUR_METRIC_PREFIXES = (
+    "lr_scale",
+    "rho_ess",
+    "ess",
+    "actor_lr_effective",
+    "tis/",
+    "mismatch/",
+    "version_lag/",
+    "prox/",
+)
+
+
+def _check_metric_channels(run_dir, log, scalars):
+    """Every metric of ours reaches tensorboard, the wandb offline run (same values) and the console."""
+    ours = sorted(t for t in scalars if t.split("/", 1)[1].startswith(OUR_METRIC_PREFIXES))
+    assert len(ours) >= 20, ours
+    wandb_history = history(run_dir)
+    for tag in ours:
+        tb_values = [v for _, v in sorted(scalars[tag])]
+        assert wandb_history.get(tag) == pytest.approx(tb_values, rel=1e-5, abs=1e-6), tag
+        assert f"'{tag.split('/', 1)[1]}':" in log, f"{tag} missing from the console step summary"
 
 
 def test_sync_run_writes_tensorboard_and_wandb(tiny_world, tmp_path):
@@ -46,8 +70,10 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     flags += ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"]
     args = tiny_args(tiny_world, run_dir, steps_prompts=24)
     args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
-    rc, log = run_cli(args + flags + ["--ref.num_gpus_per_node", "1"], run_dir)
+    wandb = ["--logger.wandb.key", "offline-" + "0" * 32]
+    rc, log = run_cli(args + flags + wandb + ["--ref.num_gpus_per_node", "1"], run_dir)
     scalars = _check_run(run_dir, rc, log, steps=3)
+    _check_metric_channels(run_dir, log, scalars)
     last = {tag: values[-1][1] for tag, values in scalars.items()}
     # ESS LR
     scale = [v for _, v in scalars["train/lr_scale"]]
