@@ -74,6 +74,12 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     rc, log = run_cli(args + flags + wandb + ["--ref.num_gpus_per_node", "1"], run_dir)
     scalars = _check_run(run_dir, rc, log, steps=3)
     _check_metric_channels(run_dir, log, scalars)
+    # the plots command on this real run's logs: every figure has data
+    from openrlhf_ess.tools.plots import make_plots
+
+    written, skipped = make_plots(os.path.join(run_dir, "tb"), os.path.join(run_dir, "plots"))
+    assert not skipped and len(written) == 5
+    assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in written)
     last = {tag: values[-1][1] for tag, values in scalars.items()}
     # ESS LR
     scale = [v for _, v in scalars["train/lr_scale"]]

@@ -40,3 +40,24 @@ def test_script_flags_are_accepted(script):
     assert flags, script
     unknown = sorted(set(flags) - known)
     assert not unknown, f"{os.path.basename(script)} uses flags our parser rejects: {unknown}"
+
+
+def _argv(path):
+    """The args array as the shell would pass it, variables replaced by placeholders."""
+    import shlex
+
+    body = re.search(r"args=\((.*?)\n\)", open(path).read(), re.S).group(1)
+    lines = [ln.split(" #")[0] for ln in body.splitlines() if not ln.strip().startswith("#")]
+    text = re.sub(r'"?\$\{?\w+(:-[^}]*)?\}?"?', "PLACEHOLDER", "\n".join(lines))
+    return shlex.split(text)
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if "cpu" not in os.path.basename(s)], ids=os.path.basename)
+def test_gpu_recipe_passes_validation(script, monkeypatch):
+    # Upstream's and our cross-flag checks, as on a GPU machine (CUDA faked: nothing is loaded).
+    from openrlhf_ess import cpu_compat
+    from openrlhf_ess.cli.train_ppo_ray import parse_args
+
+    monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
+    args, _ = parse_args(_argv(script))
+    assert args.actor.model_name_or_path == "PLACEHOLDER"
