@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env_cpu.sh
-ruff check openrlhf_ess tests            # lint (ruff.toml: upstream's 119 columns)
-ruff format --check openrlhf_ess tests
+ruff check openrlhf_ess tests benchmarks # lint (ruff.toml: upstream's 119 columns)
+ruff format --check openrlhf_ess tests benchmarks
 exec python -m pytest -ra "$@"
