@@ -266,14 +266,14 @@ def validate(args: types.SimpleNamespace) -> List[str]:
                 "communicator that disables itself and returns without data, so the engine would keep "
                 "generating from uninitialised weights. Use --vllm.sync_backend reload."
             )
+        if args.ds.packing_samples or args.ds.ring_attn_size > 1:
+            raise ConfigError(
+                "--ds.packing_samples and --ds.ring_attn_size > 1 need flash-attn, which needs CUDA. Drop them on CPU."
+            )
         if "flash_attention" in args.ds.attn_implementation:
             raise ConfigError(
                 f"--ds.attn_implementation {args.ds.attn_implementation} needs flash-attn and CUDA. "
                 "On CPU use --ds.attn_implementation sdpa (or eager)."
-            )
-        if args.ds.packing_samples or args.ds.ring_attn_size > 1:
-            raise ConfigError(
-                "--ds.packing_samples and --ds.ring_attn_size > 1 need flash-attn, which needs CUDA. Drop them on CPU."
             )
         if args.vllm.enable_sleep:
             raise ConfigError("--vllm.enable_sleep is not supported by vLLM's CPU backend. Drop it on CPU.")

@@ -1,50 +1,29 @@
 """Bad flag combinations are rejected by parse_args, before Ray starts or any model loads, with a
 message naming the flags. Each row: extra flags, a regex the message must match."""
 
+import os
+import shlex
+
 import pytest
 
 from openrlhf_ess import config
 from openrlhf_ess.cli import train_ppo_ray as cli
 
-BAD = [
-    (["--algo.ess_lr_enable", "--algo.ess_lr_floor", "0"], r"--algo.ess_lr_floor must be in \(0, 1\]"),
-    (["--algo.ess_lr_enable", "--algo.ess_lr_floor", "1.5"], r"--algo.ess_lr_floor must be in \(0, 1\]"),
-    (["--algo.ess_lr_enable", "--vllm.num_engines", "0"], r"--algo.ess_lr_enable needs .* --vllm.num_engines"),
-    (["--algo.ess_lr_enable", "--actor.optim", "muon"], r"--actor.optim muon.*Use --actor.optim adam"),
-    (["--algo.ess_lr_floor", "0.2"], r"--algo.ess_lr_enable is not"),
-    (["--algo.ess_lr_rule", "linear"], r"--algo.ess_lr_enable is not"),
-    (["--vllm.sync_backend", "gloo"], r"--vllm.sync_backend gloo does not work without CUDA"),
-    (["--vllm.sync_backend", "shm"], r"--vllm.sync_backend 'shm' is unknown"),
-    (["--vllm.sync_backend", "reload", "--vllm.sync_with_ray"], r"--vllm.sync_with_ray applies to nccl/gloo"),
-    (["--vllm.cpu_kv_cache_gb", "0"], r"--vllm.cpu_kv_cache_gb must be > 0"),
-    (["--algo.tis_cap", "0"], r"--algo.tis_cap must be > 0"),
-    (["--algo.tis_cap", "2", "--algo.advantage.is_correction_level", "token"], r"not both"),
-    (["--algo.tis_cap", "2", "--actor.policy_loss_type", "gspo"], r"use --actor.policy_loss_type ppo"),
-    (["--algo.tis_level", "seq"], r"--algo.tis_cap is not"),
-    (["--algo.max_version_lag", "-1"], r"--algo.max_version_lag must be >= 0"),
-    (["--algo.kl.off_policy_k2_enable"], r"add --algo.kl.use_loss"),
-    (
-        ["--algo.kl.off_policy_k2_enable", "--algo.kl.use_loss", "--algo.kl.unbiased_gradient"],
-        r"keep one",
-    ),
-    (["--algo.tis_cap", "2", "--vllm.num_engines", "0"], r"--vllm.num_engines >= 1"),
-    (["--algo.prox_mode", "snapshot", "--ds.zero_stage", "3"], r"ZeRO-3 shards"),
-    (
-        [
-            "--algo.prox_mode",
-            "snapshot",
-            "--algo.prox_snapshots",
-            "2",
-            "--train.async_enable",
-            "--train.async_queue_size",
-            "2",
-            "--train.partial_rollout_enable",
-        ],
-        r"--algo.prox_snapshots 2 is smaller than the 4 versions",
-    ),
-    (["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "1"], r"--algo.prox_ewma_decay must be in \(0, 1\)"),
-    (["--algo.prox_snapshots", "8"], r"--algo.prox_mode is recompute"),
-]
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "bad_inputs.md")
+
+
+def _doc_rows():
+    """(flags, error name, message) for each row of the bad-input table in docs/bad_inputs.md."""
+    rows = []
+    for line in open(DOC):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`--"):
+            flags = shlex.split(cells[0].strip("`"))
+            rows.append((flags, cells[1].split()[0], cells[2].strip("`")))
+    return rows
+
+
+BAD = _doc_rows()
 
 
 def _base(world, attn="sdpa"):
@@ -64,10 +43,20 @@ def _base(world, attn="sdpa"):
     ]
 
 
-@pytest.mark.parametrize("extra,message", BAD, ids=[" ".join(b[0]) for b in BAD])
-def test_bad_combination_rejected(tiny_world, extra, message):
-    with pytest.raises(config.ConfigError, match=message):
-        cli.parse_args(_base(tiny_world) + extra)
+def test_the_table_is_whole():
+    assert len(BAD) >= 30
+
+
+@pytest.mark.parametrize("extra,error,message", BAD, ids=[" ".join(b[0]) for b in BAD])
+def test_bad_input_table(tiny_world, extra, error, message):
+    expected = {"ConfigError": config.ConfigError, "AssertionError": AssertionError}[error]
+    argv = _base(tiny_world)
+    if any(flag.startswith("--actor.model_name_or_path=") for flag in extra):  # a row that blanks the model
+        i = argv.index("--actor.model_name_or_path")
+        del argv[i : i + 2]
+    with pytest.raises(expected) as info:
+        cli.parse_args(argv + extra)
+    assert message in str(info.value), str(info.value)
 
 
 def test_cpu_rejects_flash_attention(tiny_world):

@@ -9,9 +9,25 @@ from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 from tests.helpers.wandb_offline import history
 
 
+def _ray_processes_left(run_dir):
+    """Processes still running from the run's own Ray instance (its temp dir is in their command line)."""
+    import subprocess
+
+    from tests.helpers.e2e import ray_temp_dir
+
+    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if ray_temp_dir(run_dir) in line]
+
+
 def _check_run(run_dir, rc, log, steps):
     assert rc == 0, log[-6000:]
     assert "Traceback" not in log, log[-6000:]
+    import time
+
+    deadline = time.time() + 20  # ray.shutdown() signals its processes; give them a moment to exit
+    while _ray_processes_left(run_dir) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not _ray_processes_left(run_dir), "the CLI left processes of its Ray instance behind"
     scalars = read_tensorboard(run_dir)
     assert len(scalars["train/reward"]) == steps, sorted(scalars)
     assert len(scalars["train/policy_loss"]) == steps

@@ -7,6 +7,11 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def ray_temp_dir(run_dir: str) -> str:
+    """The private Ray temp dir of a test run (short: Ray's socket paths must stay under ~107 chars)."""
+    return os.path.join("/tmp", "ray_ess_" + os.path.basename(run_dir.rstrip("/"))[-20:])
+
+
 def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16) -> list:
     """CLI flags for a short tiny run: ``steps_prompts`` prompts in batches of 8 (4 samples each)."""
     return [
@@ -59,7 +64,7 @@ def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16) -> list:
         "--logger.wandb.run_name",
         "e2e",
         "--ray.temp_dir",
-        os.path.join("/tmp", "ray_ess_" + os.path.basename(run_dir.rstrip("/"))[-20:]),
+        ray_temp_dir(run_dir),
     ]
 
 
