@@ -193,6 +193,14 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         "stops the run (error). It is never scored with other weights.",
     )
     group.add_argument(
+        "--algo.prox_audit_dir",
+        type=str,
+        default=None,
+        help="Audit trail: write, per training step, the tokens, their versions and the pi_prox the loss used "
+        "(batch_v<V>.pt), and the actor weights at every version (weights_v<V>.safetensors), so pi_prox can be "
+        "recomputed offline. Costly (one weight file per sync): for debugging and tests.",
+    )
+    group.add_argument(
         "--algo.prox_ewma_decay",
         type=float,
         default=0.9,
@@ -214,7 +222,9 @@ def needs_rollout_logprobs(args: types.SimpleNamespace) -> bool:
 
 def needs_versions(args: types.SimpleNamespace) -> bool:
     """Whether rollout tokens must be tagged with the weight version that sampled them."""
-    return needs_rollout_logprobs(args) or args.algo.max_version_lag is not None
+    return (
+        needs_rollout_logprobs(args) or args.algo.max_version_lag is not None or args.algo.prox_audit_dir is not None
+    )
 
 
 def logical_gpus_needed(args: types.SimpleNamespace) -> int:

@@ -6,6 +6,7 @@ whole rollout batch, so the metrics here are global over it.
 
 from __future__ import annotations
 
+import os
 from typing import Dict, List
 
 import torch
@@ -102,6 +103,8 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                         exp.action_log_probs, exp.rollout_log_probs, mask, algo.tis_cap, algo.tis_level
                     )
                     tis.append(w[mask])
+        if algo.prox_audit_dir:
+            write_audit_batch(algo.prox_audit_dir, self.weight_version, experiences)
         self.last_metrics = rollout_metrics(torch.cat(lags), stale, prox, mu, masks)
         if algo.prox_mode != "recompute":
             self.last_metrics["prox/masked_missing_tokens"] = float(prox_missing)
@@ -116,6 +119,21 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                 }
             )
         return experiences
+
+
+def write_audit_batch(folder: str, version: int, experiences) -> None:
+    """--algo.prox_audit_dir: what the loss will see, per micro-batch, for offline recomputation."""
+    os.makedirs(folder, exist_ok=True)
+    fields = (
+        "sequences",
+        "attention_mask",
+        "action_mask",
+        "rollout_versions",
+        "action_log_probs",
+        "rollout_log_probs",
+    )
+    batch = [{f: getattr(exp, f) for f in fields} for exp in experiences]
+    torch.save({"weight_version": version, "micro_batches": batch}, os.path.join(folder, f"batch_v{version}.pt"))
 
 
 def mask_stale_tokens(action_mask: torch.Tensor, versions: torch.Tensor, version: int, max_lag):

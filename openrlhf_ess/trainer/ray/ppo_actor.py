@@ -10,6 +10,7 @@ from openrlhf_ess import cpu_compat
 cpu_compat.apply()
 
 import contextvars  # noqa: E402
+import os  # noqa: E402
 import time  # noqa: E402
 
 import deepspeed  # noqa: E402
@@ -60,6 +61,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             self.snapshots.put(self.weight_version, self.actor.model.module)
         elif algo.prox_mode == "ewma":
             self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
+        self._audit_weights()
         self.lr_scale_hook = None
         if self.args.algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
@@ -89,6 +91,17 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             self._optimizer_steps_seen = self.actor.model.global_steps
             self.ewma.update(self.actor.model.module)
         return status
+
+    def _audit_weights(self):
+        """--algo.prox_audit_dir: the weights of the current version, as the engines received them."""
+        folder = self.args.algo.prox_audit_dir
+        if not folder or torch.distributed.get_rank() != 0:
+            return
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        state = {name: t.contiguous() for name, t in prox.cpu_state(self.actor.model.module).items()}
+        save_file(state, os.path.join(folder, f"weights_v{self.weight_version}.safetensors"))
 
     def proximal_log_probs(self, current: torch.Tensor, versions: torch.Tensor, forward) -> torch.Tensor:
         """π_prox per token for snapshot/ewma modes; ``current`` is the forward with the live weights.
@@ -183,6 +196,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         self.weight_version += 1
         if self.snapshots is not None:
             self.snapshots.put(self.weight_version, self.actor.model.module)
+        self._audit_weights()
         if self.vllm_engines and config.needs_versions(self.args) and torch.distributed.get_rank() == 0:
             ray.get([engine.set_weight_version.remote(self.weight_version) for engine in self.vllm_engines])
 
