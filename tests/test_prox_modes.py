@@ -126,3 +126,28 @@ def test_snapshot_exact_through_the_whole_async_partial_pipeline(tiny_world, tmp
     assert mixed_responses > 0, "no response spanned a weight sync: the partial-rollout case went untested"
     assert worst < 1e-4, f"pi_prox differs from its version's weights by {worst:.2e}"
     assert recompute_gap > 1e-3, "recompute would have been indistinguishable: the test could not fail"
+
+
+@pytest.mark.slow
+def test_ewma_state_survives_checkpoint_and_resume(tiny_world, tmp_path):
+    """Stop after 2 steps (checkpoint each step), restart with --ckpt.load_enable: the PPO-EWMA average
+    continues (one optimizer step per global step here, so its update count equals the global step)."""
+    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
+
+    def run(name, extra):
+        run_dir = str(tmp_path / name)
+        os.makedirs(run_dir)
+        args = tiny_args(tiny_world, run_dir)
+        ckpt = str(tmp_path / "ckpt")  # shared by both runs
+        args[args.index("--ckpt.path") + 1] = ckpt
+        flags = ["--algo.prox_mode", "ewma", "--ckpt.save_steps", "1"] + extra
+        rc, log = run_cli(args + flags, run_dir)
+        assert rc == 0, log[-5000:]
+        return {s: v for s, v in read_tensorboard(run_dir)["train/prox/ewma_updates"]}
+
+    first = run("first", [])
+    assert first == {1: 1.0, 2: 2.0}
+    resumed = run("resumed", ["--ckpt.load_enable", "--train.num_episodes", "2"])
+    assert resumed and min(resumed) >= 3, resumed  # it did resume from the checkpoint
+    for step, updates in resumed.items():
+        assert updates == float(step), resumed  # restored count; a fresh EWMA would restart at 1

@@ -92,6 +92,16 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             self.ewma.update(self.actor.model.module)
         return status
 
+    def checkpoint_state(self) -> dict:
+        """What a restart needs to continue exactly: the PPO-EWMA average (snapshots need nothing: the
+        rollouts in flight at a restart are regenerated, and versions restart consistently at 0)."""
+        return {"ewma": self.ewma.state_dict()} if self.ewma is not None else {}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        if self.ewma is not None and "ewma" in state:
+            self.ewma.load_state_dict(state["ewma"])
+            self._optimizer_steps_seen = self.actor.model.global_steps
+
     def _audit_weights(self):
         """--algo.prox_audit_dir: the weights of the current version, as the engines received them."""
         folder = self.args.algo.prox_audit_dir
@@ -145,6 +155,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             "prox/missing_version_tokens": float(self._prox_missing),
             "prox/host_memory_mb": stored / 2**20,
         }
+        if self.ewma is not None:
+            out["prox/ewma_updates"] = float(self.ewma.n)
         self._prox_seconds, self._prox_forwards, self._prox_missing = 0.0, 0, 0
         return out
 
@@ -227,11 +239,30 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
 _UpstreamPolicyModelActor = upstream.ray_actor_class(_upstream.PolicyModelActor)
 
 
+CHECKPOINT_KEY = "openrlhf_ess"  # our entry in DeepSpeed's client_state
+
+
 class PolicyModelActorImpl(_UpstreamPolicyModelActor):
-    # Overrides upstream's init only to build our ActorPPOTrainer instead of upstream's.
-    init_model_from_pretrained = upstream.with_actor_trainer(
-        _UpstreamPolicyModelActor.init_model_from_pretrained, ActorPPOTrainer
-    )
+    # Upstream's init, building our ActorPPOTrainer instead of upstream's.
+    _upstream_init = upstream.with_actor_trainer(_UpstreamPolicyModelActor.init_model_from_pretrained, ActorPPOTrainer)
+
+    def init_model_from_pretrained(self, *args, **kwargs):
+        """Upstream's init, then our trainer state from the checkpoint it loaded (if any).
+
+        Our entry is taken out of ``checkpoint_states``, which upstream ships to the controller.
+        """
+        self._upstream_init(*args, **kwargs)
+        ours = self.checkpoint_states.pop(CHECKPOINT_KEY, None)
+        if ours:
+            self.trainer.load_checkpoint_state(ours)
+
+    def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
+        """Extends upstream's: our trainer state (e.g. the EWMA weights) goes into the same checkpoint."""
+        client_states = dict(client_states or {})
+        ours = self.trainer.checkpoint_state()
+        if ours:
+            client_states[CHECKPOINT_KEY] = ours
+        return super().save_checkpoint(tag, client_states, metric_value, metric_key)
 
     def forward(
         self,
