@@ -52,6 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm.gpu_memory_utilization). Ignored where CUDA exists.",
     )
     group.add_argument(
+        "--vllm.sync_check_tol",
+        type=float,
+        default=0.5,
+        help="After every weight sync, compare the trainer's and each engine's log-probs on a fixed 32-token "
+        "canary sequence; stop the run if the mean |difference| exceeds this many nats (bf16 engines differ by "
+        "~0.01-0.1; an engine that did not load the weights by far more). 0 disables. Cost: one 32-token "
+        "forward on each side per sync. Metrics: sync/canary_mean_abs_diff, sync/canary_seconds.",
+    )
+    group.add_argument(
         "--ray.address",
         type=str,
         default=None,
@@ -263,6 +272,10 @@ def validate(args: types.SimpleNamespace) -> List[str]:
     notices: List[str] = []
     on_cpu = not cpu_compat.cuda_available()
 
+    if args.vllm.sync_check_tol < 0:
+        raise ConfigError(
+            f"--vllm.sync_check_tol must be >= 0 (0 disables the check), got {args.vllm.sync_check_tol}."
+        )
     if args.vllm.cpu_kv_cache_gb <= 0:
         raise ConfigError(f"--vllm.cpu_kv_cache_gb must be > 0, got {args.vllm.cpu_kv_cache_gb}.")
 

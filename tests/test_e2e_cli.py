@@ -65,6 +65,8 @@ def test_sync_run_writes_tensorboard_and_wandb(tiny_world, tmp_path):
     rc, log = run_cli(args, run_dir)
     _check_run(run_dir, rc, log, steps=2)
     assert "--vllm.sync_backend nccl -> reload" in log
+    diffs = [v for _, v in read_tensorboard(run_dir)["train/sync/canary_mean_abs_diff"]]
+    assert diffs and max(diffs) < 0.5  # every sync verified: the engine matches the trainer
     # wandb offline run folder with the history of our metrics
     runs = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "*.wandb"))
     assert runs, os.listdir(run_dir)
@@ -237,3 +239,15 @@ def test_ray_job_submit(tiny_world, tmp_path):
         subprocess.run(["rm", "-rf", temp_dir])
         left = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
         assert temp_dir not in left, "processes of the test's Ray cluster survived"
+
+
+@pytest.mark.slow
+def test_corrupt_weight_sync_stops_the_run(tiny_world, tmp_path):
+    """A sync that leaves the engine on wrong weights (injected: noise loaded instead of the weights) is
+    caught by the canary check at the first sync: the run fails fast with a message naming the flag."""
+    run_dir = str(tmp_path)
+    env = {"OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD": "1"}
+    rc, log = run_cli(tiny_args(tiny_world, run_dir), run_dir, env=env, timeout=600)
+    assert rc != 0
+    assert "weight sync check failed after version 1" in log and "--vllm.sync_check_tol" in log
+    assert "Global step 2" not in log  # stopped at the first sync, no training on garbage rollouts

@@ -36,6 +36,7 @@ _FORWARDED_ENV = {
     "HF_DATASETS_OFFLINE": None,
     "TRANSFORMERS_OFFLINE": None,
     "DS_ACCELERATOR": None,
+    "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD": None,  # tests only: see trainer/ray/vllm_worker_wrap.py
 }
 
 

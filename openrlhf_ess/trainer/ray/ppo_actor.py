@@ -27,7 +27,8 @@ from openrlhf_ess.trainer import ess_lr, prox  # noqa: E402
 
 # (μ of the micro-batch in training_step, IS cap) for the off-policy k2 KL below.
 _K2_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("openrlhf_ess_k2_context")
-K2_DEFAULT_IS_CAP = 10.0  # upstream's bound on its KL IS weight (KL_IS_WEIGHT_CLIP)
+K2_DEFAULT_IS_CAP = 10.0
+SYNC_CANARY_TOKENS = 32  # upstream's bound on its KL IS weight (KL_IS_WEIGHT_CLIP)
 
 
 def _off_policy_k2_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimator="k1", unbiased_gradient=False):
@@ -62,6 +63,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         elif algo.prox_mode == "ewma":
             self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
         self._audit_weights()
+        self.sync_check_metrics = {}
         self.lr_scale_hook = None
         if self.args.algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
@@ -161,27 +163,26 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         return out
 
     def ppo_train(self, kl_ctl: float):
-        """Wraps upstream's ppo_train: this rollout's optimizer steps run at the ESS-scaled LR.
+        """Wraps upstream's ppo_train: with ESS LR, this rollout's optimizer steps run at the scaled LR.
 
-        Off (the default): upstream's method runs untouched.
+        Without our flags upstream's method runs untouched; only metrics are added (the weight-sync
+        check of the sync before this rollout, the π_prox mode's cost).
         """
-        if self.lr_scale_hook is None and self.snapshots is None and self.ewma is None:
-            return super().ppo_train(kl_ctl)
         if self.lr_scale_hook is None:
             status = super().ppo_train(kl_ctl)
-            status.update(self.prox_metrics())
-            return status
-        algo = self.args.algo
-        scale, metrics = ess_lr.global_lr_scale(
-            self.replay_buffer.items, algo.ess_lr_weight, algo.ess_lr_rule, algo.ess_lr_floor
-        )
-        with self.lr_scale_hook.applied(scale):
-            status = super().ppo_train(kl_ctl)
-        status.update(metrics)
-        # engine.get_lr() / the scheduler report the unscaled LR; log what the optimizer really used.
-        status["actor_lr_effective"] = self.actor_scheduler.get_last_lr()[0] * scale
+        else:
+            algo = self.args.algo
+            scale, metrics = ess_lr.global_lr_scale(
+                self.replay_buffer.items, algo.ess_lr_weight, algo.ess_lr_rule, algo.ess_lr_floor
+            )
+            with self.lr_scale_hook.applied(scale):
+                status = super().ppo_train(kl_ctl)
+            status.update(metrics)
+            # engine.get_lr() / the scheduler report the unscaled LR; log what the optimizer really used.
+            status["actor_lr_effective"] = self.actor_scheduler.get_last_lr()[0] * scale
         if self.snapshots is not None or self.ewma is not None:
             status.update(self.prox_metrics())
+        status.update(self.sync_check_metrics)
         return status
 
     def _init_vllm_sync_group(self, backend: str):
@@ -202,6 +203,44 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         else:
             super().broadcast_to_vllm()
         self.advance_version()
+        if self.args.vllm.sync_check_tol > 0:
+            self.check_sync()
+
+    def check_sync(self):
+        """Compare the trainer's and every engine's log-probs on a fixed canary after a weight sync.
+
+        All ranks run the forward (ZeRO-3 gathers), rank 0 compares. A mean |Δ| above
+        --vllm.sync_check_tol stops the run: training on rollouts from wrong weights fails silently.
+        """
+        t0 = time.time()
+        vocab = self.actor.model.module.config.vocab_size
+        g = torch.Generator().manual_seed(1234)
+        ids = torch.randint(min(4, vocab - 1), vocab, (1, SYNC_CANARY_TOKENS), generator=g)
+        device = torch.cuda.current_device()
+        was_training = self.actor.model.training
+        self.actor.model.eval()
+        with torch.no_grad():
+            logits = self.actor.model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device)).logits
+        if was_training:
+            self.actor.model.train()
+        if torch.distributed.get_rank() != 0:
+            return
+        ours = logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
+        theirs = ray.get([engine.prompt_log_probs.remote(ids[0].tolist()) for engine in self.vllm_engines])
+        diffs = [(ours - torch.tensor(lp)).abs().mean().item() for lp in theirs]
+        self.sync_check_metrics = {
+            "sync/canary_mean_abs_diff": max(diffs),
+            "sync/canary_seconds": time.time() - t0,
+        }
+        if max(diffs) > self.args.vllm.sync_check_tol:
+            bad = [i for i, d in enumerate(diffs) if d > self.args.vllm.sync_check_tol]
+            raise RuntimeError(
+                f"weight sync check failed after version {self.weight_version}: vLLM engine(s) {bad} give canary "
+                f"log-probs {max(diffs):.3f} nats (mean |diff|) away from the trainer's, above "
+                f"--vllm.sync_check_tol {self.args.vllm.sync_check_tol}. The engines are not generating with the "
+                f"trained weights (sync backend {self.args.vllm.sync_backend!r}): on machines without working NCCL "
+                "use --vllm.sync_backend reload; raise the tolerance only if engine and trainer dtypes differ a lot."
+            )
 
     def advance_version(self):
         """After a complete weight sync: count it, snapshot the weights (snapshot mode), tell the engines."""

@@ -138,6 +138,23 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
 
         return tracked
 
+    async def prompt_log_probs(self, token_ids: List[int]) -> List[float]:
+        """log p(token_i | tokens_<i) for i >= 1 under the engine's current weights (temperature 1).
+
+        The weight-sync check compares these with the trainer's on a fixed canary sequence.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.utils import random_uuid
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        final = None
+        async for output in self.llm.generate(
+            TokensPrompt(prompt_token_ids=token_ids), params, request_id=random_uuid()
+        ):
+            final = output
+        return [step[token].logprob for step, token in zip(final.prompt_logprobs[1:], token_ids[1:])]
+
     async def inflight_tokens(self) -> List[int]:
         """Output tokens streamed so far by each in-flight request (introspection for tests and logs)."""
         return [p.streamed for p in self._inflight.values()]

@@ -8,7 +8,13 @@ trainer ships all tensors as one safetensors blob and vLLM's own ``reload_weight
 pass, which re-runs the post-load processing (repacking) correctly on every backend.
 """
 
+import os
+
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap as _UpstreamWorkerWrap
+
+# Fault injection for tests: load noise instead of the received weights, like the measured failure of a
+# transport that returns without data (the engine then runs on uninitialised memory).
+FAULT_ENV = "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD"
 
 
 class WorkerWrap(_UpstreamWorkerWrap):
@@ -17,5 +23,9 @@ class WorkerWrap(_UpstreamWorkerWrap):
         from safetensors.torch import load
 
         tensors = load(blob)
+        if os.environ.get(FAULT_ENV) == "1":
+            import torch
+
+            tensors = {name: torch.randn_like(t) for name, t in tensors.items()}
         self.reload_weights(weights_iterator=iter(tensors.items()))
         return len(tensors)
