@@ -132,10 +132,6 @@ def extend_choices(parser: argparse.ArgumentParser, dest: str, *extra: str) -> N
     raise KeyError(f"upstream parser has no flag with dest {dest!r}")
 
 
-def upstream_default(parser: argparse.ArgumentParser, dest: str) -> Any:
-    return parser.get_default(dest)
-
-
 # ---- running upstream code with our classes ---------------------------------------------------
 
 
@@ -190,10 +186,6 @@ def create_vllm_engines_with(actor_cls: Any) -> Callable:
     from openrlhf.trainer.ray import vllm_engine
 
     return rebind(vllm_engine.create_vllm_engines, {"RolloutRayActor": actor_cls})
-
-
-def actor_trainer_class_name() -> str:
-    return "ActorPPOTrainer"
 
 
 def with_actor_trainer(init: Callable, trainer_cls: type) -> Callable:

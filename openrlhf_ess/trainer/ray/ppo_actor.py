@@ -46,7 +46,8 @@ def _off_policy_k2_kl(log_probs, log_probs_base, log_probs_old=None, kl_estimato
 
 class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     def __init__(self, *args, **kwargs):
-        """Extends upstream's init: with ``--algo.ess_lr_enable``, hook the actor's innermost optimizer."""
+        """Extends upstream's init with what our flags need: the weight-version counter, the sequence-level
+        TIS loss, the π_prox weight store (snapshot/ewma), and the ESS LR hook on the innermost optimizer."""
         super().__init__(*args, **kwargs)
         # Weight syncs applied to the engines; tokens are tagged with it (shared/DESIGN.md §4).
         self.weight_version = 0
