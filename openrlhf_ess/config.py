@@ -318,6 +318,11 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             raise ConfigError(
                 "--algo.ess_lr_enable needs rollout log-probs from vLLM engines: set --vllm.num_engines >= 1."
             )
+        if args.critic.freezing_steps > 0:
+            notices.append(
+                f"--algo.ess_lr_enable with --critic.freezing_steps {args.critic.freezing_steps}: the first steps "
+                "train only the critic, which is never scaled; ESS LR scaling starts with the actor's first step."
+            )
         if args.actor.optim != "adam":
             raise ConfigError(
                 f"--algo.ess_lr_enable with --actor.optim {args.actor.optim}: DeepSpeed's Muon reads per-group "

@@ -109,3 +109,10 @@ def test_snapshot_lag_bound_lowers_the_requirement(tiny_world):
     flags += ["--train.async_queue_size", "4", "--algo.max_version_lag", "1"]
     args, _ = cli.parse_args(_base(tiny_world) + flags)  # lag <= 1 needs versions V and V-1 only
     assert args.algo.prox_snapshots == 2
+
+
+def test_critic_only_steps_are_announced(tiny_world):
+    argv = _base(tiny_world) + ["--algo.ess_lr_enable", "--critic.freezing_steps", "5"]
+    argv[argv.index("--algo.advantage.estimator") + 1] = "gae"  # a critic exists
+    _, notices = cli.parse_args(argv)
+    assert any("--critic.freezing_steps 5" in n and "never scaled" in n for n in notices)
