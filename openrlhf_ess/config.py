@@ -61,6 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "forward on each side per sync. Metrics: sync/canary_mean_abs_diff, sync/canary_seconds.",
     )
     group.add_argument(
+        "--reward.failure_policy",
+        type=str,
+        default="off",
+        choices=["off", "drop", "stop"],
+        help="When the reward function (--reward.remote_url / agent) fails for a sample (upstream swallows the "
+        "exception and leaves the reward None) or returns NaN/inf: drop = mask the sample out of the loss with "
+        "reward 0 and count it (metric reward_failed); stop = end the run with the prompt in the message; "
+        "off = upstream behaviour (a None reward crashes later with an unrelated error; NaN trains on NaN).",
+    )
+    group.add_argument(
         "--ray.address",
         type=str,
         default=None,
@@ -272,6 +282,11 @@ def validate(args: types.SimpleNamespace) -> List[str]:
     notices: List[str] = []
     on_cpu = not cpu_compat.cuda_available()
 
+    if args.reward.failure_policy != "off" and not args.reward.remote_url:
+        raise ConfigError(
+            f"--reward.failure_policy {args.reward.failure_policy} watches rule-based rewards (--reward.remote_url "
+            "or --train.agent_func_path); a reward model has no per-sample failures to catch. Drop the flag."
+        )
     if args.vllm.sync_check_tol < 0:
         raise ConfigError(
             f"--vllm.sync_check_tol must be >= 0 (0 disables the check), got {args.vllm.sync_check_tol}."

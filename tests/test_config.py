@@ -116,3 +116,11 @@ def test_critic_only_steps_are_announced(tiny_world):
     argv[argv.index("--algo.advantage.estimator") + 1] = "gae"  # a critic exists
     _, notices = cli.parse_args(argv)
     assert any("--critic.freezing_steps 5" in n and "never scaled" in n for n in notices)
+
+
+def test_reward_failure_policy_needs_rule_based_rewards(tiny_world):
+    argv = _base(tiny_world) + ["--reward.failure_policy", "drop"]
+    i = argv.index("--reward.remote_url")
+    argv[i : i + 2] = ["--reward.model_name_or_path", tiny_world["model"]]
+    with pytest.raises(config.ConfigError, match="--reward.failure_policy drop watches rule-based rewards"):
+        cli.parse_args(argv)

@@ -251,3 +251,31 @@ def test_corrupt_weight_sync_stops_the_run(tiny_world, tmp_path):
     assert rc != 0
     assert "weight sync check failed after version 1" in log and "--vllm.sync_check_tol" in log
     assert "Global step 2" not in log  # stopped at the first sync, no training on garbage rollouts
+
+
+FAILING_REWARD = """
+import torch
+
+
+def reward_func(queries, prompts, labels):
+    if "a" in prompts[0]:
+        raise ValueError("reward service down")
+    return {"rewards": torch.tensor([1.0]), "scores": torch.tensor([1.0]), "extra_logs": {}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["drop", "stop"])
+def test_reward_function_failure_policy(tiny_world, tmp_path, policy):
+    run_dir = str(tmp_path)
+    reward = tmp_path / "reward.py"
+    reward.write_text(FAILING_REWARD)
+    args = tiny_args(tiny_world, run_dir)
+    args[args.index("--reward.remote_url") + 1] = str(reward)
+    rc, log = run_cli(args + ["--reward.failure_policy", policy], run_dir)
+    if policy == "stop":
+        assert rc != 0 and "the reward function returned None" in log and "--reward.failure_policy drop" in log
+    else:
+        scalars = _check_run(run_dir, rc, log, steps=2)
+        failed = [v for _, v in scalars["train/reward_failed"]]
+        assert 0 < max(failed) <= 1  # some samples' rewards failed, were counted and dropped

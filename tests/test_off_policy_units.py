@@ -135,7 +135,7 @@ def test_nonfinite_mu_sample_is_masked_and_counted():
     from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator
 
     gen = SamplesGenerator.__new__(SamplesGenerator)
-    gen.args = SimpleNamespace()
+    gen.args = SimpleNamespace(reward=SimpleNamespace(failure_policy="off"))
     response = {
         "observation_tokens": [5, 6, 7, 8, 9],
         "action_ranges": [(2, 5)],
@@ -163,3 +163,30 @@ def test_loglinear_prox_by_hand():
     out = C.loglinear_prox_log_probs(mu, current, lag)
     # alpha = L/(L+1): 0, 1/2, 3/4, 9/10 of the way from log mu (-2) to log pi_V (-1)
     assert torch.allclose(out, torch.tensor([[-2.0, -1.5, -1.25, -1.1]]))
+
+
+@pytest.mark.parametrize("reward", [None, float("nan"), float("inf")])
+def test_failed_reward_policies(reward):
+    from types import SimpleNamespace
+
+    from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    gen = SamplesGenerator.__new__(SamplesGenerator)
+    response = {
+        "observation_tokens": [5, 6, 7, 8],
+        "action_ranges": [(2, 4)],
+        "rollout_log_probs": None,
+        "prompt": "p =",
+        "label": None,
+        "reward": reward,
+        "scores": reward,
+    }
+    gen.args = SimpleNamespace(reward=SimpleNamespace(failure_policy="stop"))
+    with pytest.raises(RuntimeError, match="--reward.failure_policy drop"):
+        gen._process_response_into_experience(response, max_len=64)
+    gen.args.reward.failure_policy = "drop"
+    exp = gen._process_response_into_experience(response, max_len=64)
+    assert exp.action_mask.sum().item() == 0 and exp.rewards.tolist() == [0.0]
+    assert exp.info["reward_failed"].tolist() == [1.0]
+    ok = gen._process_response_into_experience({**response, "reward": 0.5, "scores": 0.5}, max_len=64)
+    assert ok.info["reward_failed"].tolist() == [0.0] and ok.action_mask.sum().item() == 2

@@ -165,7 +165,10 @@ def test_multi_turn_environment_tokens_carry_no_mu_or_version(tiny_world, tmp_pa
         hf = lp[torch.arange(start - 1, end - 1), torch.tensor(obs[start:end])]
         assert (hf - torch.tensor(mu[start:end])).abs().max().item() < 1e-4
     # through the generator: environment tokens are outside action_mask, so never importance-weighted
+    from types import SimpleNamespace
+
     gen = SamplesGenerator.__new__(SamplesGenerator)
+    gen.args = SimpleNamespace(reward=SimpleNamespace(failure_policy="off"))
     exp = gen._process_response_into_experience(resp, max_len=200)
     mask = exp.action_mask[0]
     assert mask[e1 - 1 : s2 - 1].sum().item() == 0 and mask.sum().item() == (e1 - s1) + (e2 - s2)

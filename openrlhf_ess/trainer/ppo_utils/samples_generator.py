@@ -18,10 +18,27 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         - ``experience.rollout_versions`` (1, A): the weight version that sampled each action token
           (NO_VERSION elsewhere), aligned with ``rollout_log_probs`` and ``action_mask``. A plain
           attribute, not an Experience field: it is consumed by the experience maker on the controller.
+        - With --reward.failure_policy, a sample whose reward is None (the reward function raised) or not
+          finite either stops the run or is masked out with reward 0, counted in ``info["reward_failed"]``.
         - A sample whose μ is NaN or ±inf on a sampled token is masked out (action_mask = 0, μ set to 0
           so nothing non-finite reaches the loss) and counted in ``info["rollout_logprob_nonfinite"]``.
         """
+        reward = response.get("reward")
+        policy = self.args.reward.failure_policy
+        failed = policy != "off" and not _finite_number(reward)
+        if failed:
+            if policy == "stop":
+                raise RuntimeError(
+                    f"the reward function returned {reward!r} for prompt {response.get('prompt')!r} (an exception "
+                    "inside it is logged by the rollout engine as 'Failed to fetch reward'). Fix the reward "
+                    "function, or pass --reward.failure_policy drop to train without such samples."
+                )
+            response = {**response, "reward": 0.0, "scores": 0.0}
         experience = super()._process_response_into_experience(response, **generate_kwargs)
+        if policy != "off":
+            experience.info["reward_failed"] = torch.tensor([float(failed)])
+            if failed:
+                experience.action_mask = torch.zeros_like(experience.action_mask)
         truncate_length = generate_kwargs.get("max_len", 2048)
         versions = response.get("rollout_versions")
         if versions is not None:
@@ -35,6 +52,12 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
                 experience.action_mask = torch.zeros_like(experience.action_mask)
             experience.info["rollout_logprob_nonfinite"] = torch.tensor([float(nonfinite)])
         return experience
+
+
+def _finite_number(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and bool(torch.isfinite(value.float()).all())
+    return isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
 
 
 def versions_or_untagged(experience) -> torch.Tensor:
