@@ -344,10 +344,6 @@ def validate(args: types.SimpleNamespace) -> List[str]:
                 "muon_lr/adam_lr overrides, so scaling the param-group lr would silently do nothing. "
                 "Use --actor.optim adam."
             )
-        if args.algo.advantage.is_correction_level == "off":
-            notices.append(
-                "--algo.ess_lr_enable: vLLM engines will return sampled-token log-probs (mu), as the ESS needs them."
-            )
     elif any(
         getattr(args.algo, name) != default
         for name, default in (("ess_lr_floor", 0.1), ("ess_lr_weight", "geo_mean"), ("ess_lr_rule", "sqrt"))
