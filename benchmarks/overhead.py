@@ -102,11 +102,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64, help="prompts per run (8 per step)")
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
+    parser.add_argument("--groups", nargs="*", default=list(GROUPS), help=f"subset of {list(GROUPS)}")
     a = parser.parse_args()
     root = tempfile.mkdtemp(prefix="ess_bench_")
     world = build_world(os.path.join(root, "world"), seed=0, n_prompts=a.prompts)
     results: Dict[str, Dict[str, Dict[str, float]]] = {}
     for group, configs in GROUPS.items():
+        if group not in a.groups:
+            continue
         results[group] = {}
         for name, flags in configs.items():
             run_dir = os.path.join(root, f"{group}_{name}".replace(" ", "_").replace("+", "p"))

@@ -64,7 +64,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         elif algo.prox_mode == "ewma":
             self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
         self._audit_weights()
-        self.sync_check_metrics = {}
+        self.sync_check_metrics, self._sync_to_check = {}, False
         self.lr_scale_hook = None
         if self.args.algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
@@ -169,6 +169,10 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         Without our flags upstream's method runs untouched; only metrics are added (the weight-sync
         check of the sync before this rollout, the π_prox mode's cost).
         """
+        self.sync_check_metrics = {}
+        if self._sync_to_check:  # the engines still hold the weights of the last sync, and are running
+            self._sync_to_check = False
+            self.check_sync()
         if self.lr_scale_hook is None:
             status = super().ppo_train(kl_ctl)
         else:
@@ -204,13 +208,15 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         else:
             super().broadcast_to_vllm()
         self.advance_version()
-        if self.args.vllm.sync_check_tol > 0:
-            self.check_sync()
+        # Checked at the start of the next training step, not here: with partial rollouts the engines are
+        # paused until this method returns, and a paused engine would never answer the canary.
+        self._sync_to_check = self.args.vllm.sync_check_tol > 0
 
     def check_sync(self):
         """Compare the trainer's and every engine's log-probs on a fixed canary after a weight sync.
 
-        All ranks run the forward (ZeRO-3 gathers), rank 0 compares. A mean |Δ| above
+        Runs at the start of the training step after the sync (all ranks), so the last sync of a run
+        is not checked. All ranks run the forward (ZeRO-3 gathers), rank 0 compares. A mean |Δ| above
         --vllm.sync_check_tol stops the run: training on rollouts from wrong weights fails silently.
         """
         t0 = time.time()
