@@ -246,6 +246,11 @@ def needs_versions(args: types.SimpleNamespace) -> bool:
     )
 
 
+def needs_our_controllers(args: types.SimpleNamespace) -> bool:
+    """Whether the controller must run our generator and experience maker (else upstream's run untouched)."""
+    return needs_versions(args) or args.reward.failure_policy != "off"
+
+
 def logical_gpus_needed(args: types.SimpleNamespace) -> int:
     """An upper bound on the GPU slots upstream's placement asks for (colocation only needs fewer)."""
     total = args.actor.num_nodes * args.actor.num_gpus_per_node

@@ -124,3 +124,11 @@ def test_reward_failure_policy_needs_rule_based_rewards(tiny_world):
     argv[i : i + 2] = ["--reward.model_name_or_path", tiny_world["model"]]
     with pytest.raises(config.ConfigError, match="--reward.failure_policy drop watches rule-based rewards"):
         cli.parse_args(argv)
+
+
+def test_which_flags_bring_our_controllers(tiny_world):
+    plain, _ = cli.parse_args(_base(tiny_world))
+    assert not config.needs_our_controllers(plain)  # default: upstream's controllers, untouched
+    for flags in (["--algo.tis_cap", "2"], ["--algo.max_version_lag", "2"], ["--reward.failure_policy", "drop"]):
+        args, _ = cli.parse_args(_base(tiny_world) + flags)
+        assert config.needs_our_controllers(args), flags

@@ -109,7 +109,7 @@ def train(args) -> None:
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
     classes = {"PolicyModelActor": PolicyModelActor, "create_vllm_engines": create_vllm_engines(args)}
-    if config.needs_versions(args):
+    if config.needs_our_controllers(args):
         # Off: upstream's controllers run untouched.
         from openrlhf_ess.trainer.ppo_trainer import PPOTrainer
         from openrlhf_ess.trainer.ppo_trainer_async import PPOTrainerAsync
