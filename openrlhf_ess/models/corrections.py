@@ -137,6 +137,11 @@ def tis_weights(
 TIS_LEVELS = ("token", "seq")
 
 
+def tis_truncated(weights: torch.Tensor, cap: float) -> torch.Tensor:
+    """Which :func:`tis_weights` the cap truncated (a weight at the cap, up to float rounding)."""
+    return weights >= cap * (1 - 1e-6)
+
+
 # ---- approximate proximal policy without an extra forward (DESIGN.md §4, "loglinear") --------------------
 
 

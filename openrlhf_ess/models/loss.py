@@ -39,5 +39,5 @@ class PolicyLoss(_UpstreamPolicyLoss):
             log_probs, old_log_probs, advantages * w, action_mask, rollout_log_probs, **kwargs
         )
         vllm_kl = masked_mean(rollout_log_probs - old_log_probs, action_mask, dim=None).detach()
-        clipped_seqs = (w[:, :1] >= self.tis_cap * (1 - 1e-6)).float().mean()
+        clipped_seqs = corrections.tis_truncated(w[:, :1], self.tis_cap).float().mean()
         return loss, clip_ratio, ppo_kl, vllm_kl, clipped_seqs

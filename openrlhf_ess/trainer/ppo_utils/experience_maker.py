@@ -21,17 +21,14 @@ LAG_BUCKETS = (0, 1, 2, 3)  # version-lag histogram: lag 0, 1, 2, and >= 3
 
 
 class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.weight_version = 0  # set by the trainer: syncs applied so far (the version being trained)
-        self.last_metrics: Dict[str, float] = {}
-
+    # Built only by from_upstream(); weight_version is set by the trainer before each batch (syncs so far).
     @classmethod
     def from_upstream(cls, maker: _UpstreamRemoteExperienceMaker) -> "RemoteExperienceMaker":
         """Adopt the state of the maker upstream's trainer built (same collaborators, our methods)."""
         ours = cls.__new__(cls)
         ours.__dict__.update(vars(maker))
-        ours.weight_version, ours.last_metrics = 0, {}
+        ours.weight_version = 0
+        ours.last_metrics: Dict[str, float] = {}
         return ours
 
     def split_rollout_samples(self, rollout_samples):
@@ -110,10 +107,11 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
             self.last_metrics["prox/masked_missing_tokens"] = float(prox_missing)
         if tis:
             w = torch.cat(tis)
-            # a weight equal to the cap is one the cap truncated (or that sat exactly on it)
             self.last_metrics.update(
                 {
-                    "tis/clip_frac": (w >= algo.tis_cap * (1 - 1e-6)).float().mean().item() if w.numel() else 0.0,
+                    "tis/clip_frac": corrections.tis_truncated(w, algo.tis_cap).float().mean().item()
+                    if w.numel()
+                    else 0.0,
                     "tis/mean_weight": w.mean().item() if w.numel() else 1.0,
                     "tis/max_weight": w.max().item() if w.numel() else 1.0,
                 }
