@@ -8,6 +8,7 @@ raises :class:`ConfigError` with a message naming the flags and the fix.
 from __future__ import annotations
 
 import argparse
+import math
 import types
 from typing import List
 
@@ -176,7 +177,9 @@ def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-PROX_MODES = ("recompute", "snapshot", "ewma", "loglinear")
+PROX_MODES = ("recompute", "snapshot", "interrupt", "dedicated", "ewma", "loglinear")
+# Modes that score the outgoing version's tokens at each weight sync (the engines report their streams).
+SCORE_AT_SYNC_MODES = ("interrupt", "dedicated")
 
 
 def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,7 +197,18 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         "copies of the last --algo.prox_snapshots versions and scores each token with its version's weights "
         "(one extra actor forward per distinct stale version, K x model host memory). ewma: PPO-EWMA, the "
         "bias-corrected EWMA of the actor weights (one extra forward, 1 x model host memory). loglinear: AReaL's "
-        "interpolation log mu + L/(L+1) (log pi_V - log mu) by version lag L (no extra forward).",
+        "interpolation log mu + L/(L+1) (log pi_V - log mu) by version lag L (no extra forward). interrupt: exact; "
+        "at each weight sync generation is paused and every token of the outgoing version still outstanding "
+        "(in-flight prefixes included) is scored by the actor with its one kept copy of that version (async + "
+        "partial rollouts). dedicated: exact; the same scoring at each sync, done by an old-log-prob model that "
+        "receives every weight sync with the engines (--algo.prox_dedicated_num_gpus; any ZeRO stage).",
+    )
+    group.add_argument(
+        "--algo.prox_dedicated_num_gpus",
+        type=float,
+        default=1.0,
+        help="dedicated mode: GPUs of the old-log-prob model (a Ray actor holding an HF copy of the policy in "
+        "--ds.param_dtype). On CPU one more logical GPU is created for it.",
     )
     group.add_argument(
         "--algo.prox_snapshots",
@@ -239,6 +253,11 @@ def needs_rollout_logprobs(args: types.SimpleNamespace) -> bool:
     )
 
 
+def dedicated_gpus(args: types.SimpleNamespace) -> int:
+    """GPU slots the dedicated old-log-prob model takes (0 unless --algo.prox_mode dedicated)."""
+    return math.ceil(args.algo.prox_dedicated_num_gpus) if args.algo.prox_mode == "dedicated" else 0
+
+
 def needs_versions(args: types.SimpleNamespace) -> bool:
     """Whether rollout tokens must be tagged with the weight version that sampled them."""
     return (
@@ -261,7 +280,7 @@ def logical_gpus_needed(args: types.SimpleNamespace) -> int:
         total += args.critic.num_nodes * args.critic.num_gpus_per_node
     if not args.reward.remote_url:
         total += args.reward.num_nodes * args.reward.num_gpus_per_node
-    return total
+    return total + dedicated_gpus(args)
 
 
 def validate_before_upstream(flat: argparse.Namespace) -> None:
@@ -429,12 +448,21 @@ def _validate_prox(args: types.SimpleNamespace) -> None:
                 "recompute: choose --algo.prox_mode snapshot or ewma, or drop them."
             )
         return
-    if mode in ("snapshot", "ewma") and args.ds.zero_stage == 3:
+    for flag, value, default, owner in (
+        ("--algo.prox_snapshots", algo.prox_snapshots, 4, ("snapshot",)),
+        ("--algo.prox_ewma_decay", algo.prox_ewma_decay, 0.9, ("ewma",)),
+        ("--algo.prox_dedicated_num_gpus", algo.prox_dedicated_num_gpus, 1.0, ("dedicated",)),
+    ):
+        if value != default and mode not in owner:
+            raise ConfigError(f"{flag} is set but --algo.prox_mode is {mode}: it only applies to {owner[0]}; drop it.")
+    if mode in SCORE_AT_SYNC_MODES:
+        _validate_score_at_sync(args)
+    if mode in ("snapshot", "ewma", "interrupt") and args.ds.zero_stage == 3:
         raise ConfigError(
             f"--algo.prox_mode {mode} scores tokens by swapping full weights into the actor, which ZeRO-3 shards: "
             "use --ds.zero_stage 0-2, or --algo.prox_mode loglinear (no extra forward)."
         )
-    if mode in ("snapshot", "ewma") and args.ds.tensor_parallel_size > 1:
+    if mode in ("snapshot", "ewma", "interrupt") and args.ds.tensor_parallel_size > 1:
         raise ConfigError(f"--algo.prox_mode {mode} needs full weights per rank: drop --ds.tensor_parallel_size.")
     if mode == "snapshot":
         needed = max_lag_possible(args) + 1
@@ -449,3 +477,29 @@ def _validate_prox(args: types.SimpleNamespace) -> None:
             )
     if mode == "ewma" and not 0 < algo.prox_ewma_decay < 1:
         raise ConfigError(f"--algo.prox_ewma_decay must be in (0, 1), got {algo.prox_ewma_decay}.")
+
+
+def _validate_score_at_sync(args: types.SimpleNamespace) -> None:
+    mode = args.algo.prox_mode
+    if not args.train.async_enable:
+        raise ConfigError(
+            f"--algo.prox_mode {mode} scores the outgoing version's tokens at each weight sync, which only matters "
+            "when rollouts outlive a sync: add --train.async_enable (and --train.partial_rollout_enable), or keep "
+            "--algo.prox_mode recompute (exact in synchronous training)."
+        )
+    if mode == "interrupt" and not args.train.partial_rollout_enable:
+        raise ConfigError(
+            "--algo.prox_mode interrupt pauses partial rollouts at each weight sync to score their prefixes: add "
+            "--train.partial_rollout_enable, or use --algo.prox_mode snapshot or dedicated for async training "
+            "without partial rollouts."
+        )
+    if args.train.agent_func_path:
+        raise ConfigError(
+            f"--algo.prox_mode {mode} matches engine token streams to samples for single-turn rollouts only; "
+            "with --train.agent_func_path use --algo.prox_mode snapshot."
+        )
+    if mode == "dedicated" and args.algo.prox_dedicated_num_gpus <= 0:
+        raise ConfigError(
+            f"--algo.prox_dedicated_num_gpus must be > 0 (the old-log-prob model needs a device), "
+            f"got {args.algo.prox_dedicated_num_gpus}."
+        )

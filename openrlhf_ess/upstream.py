@@ -191,3 +191,8 @@ def create_vllm_engines_with(actor_cls: Any) -> Callable:
 def with_actor_trainer(init: Callable, trainer_cls: type) -> Callable:
     """``PolicyModelActor.init_model_from_pretrained`` building ``trainer_cls`` as its trainer."""
     return rebind(init, {"ActorPPOTrainer": trainer_cls})
+
+
+def group_actors(group: Any) -> list:
+    """The Ray actor handles of one of upstream's ``RayActorGroup`` (one per rank, in rank order)."""
+    return list(group._actor_handlers)

@@ -132,3 +132,16 @@ def test_which_flags_bring_our_controllers(tiny_world):
     for flags in (["--algo.tis_cap", "2"], ["--algo.max_version_lag", "2"], ["--reward.failure_policy", "drop"]):
         args, _ = cli.parse_args(_base(tiny_world) + flags)
         assert config.needs_our_controllers(args), flags
+
+
+def test_score_at_sync_modes_accepted_and_dedicated_gets_a_device(tiny_world):
+    from openrlhf_ess.trainer.ray.vllm_engine import engine_kwargs
+
+    partial = ["--train.async_enable", "--train.partial_rollout_enable"]
+    base, _ = cli.parse_args(_base(tiny_world) + partial)
+    args, _ = cli.parse_args(_base(tiny_world) + partial + ["--algo.prox_mode", "interrupt"])
+    assert engine_kwargs(args)["report_outgoing"] is True
+    assert "report_outgoing" not in engine_kwargs(base)
+    dedicated, _ = cli.parse_args(_base(tiny_world) + ["--train.async_enable", "--algo.prox_mode", "dedicated"])
+    assert config.logical_gpus_needed(dedicated) == config.logical_gpus_needed(base) + 1
+    assert config.logical_gpus_needed(args) == config.logical_gpus_needed(base)

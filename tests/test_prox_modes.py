@@ -68,25 +68,35 @@ def test_ewma_scores_with_bias_corrected_average(tiny_world, tmp_path):
     assert res["metrics"]["prox/extra_forwards"] == 1.0
 
 
-def test_snapshot_exact_through_the_whole_async_partial_pipeline(tiny_world, tmp_path):
+@pytest.mark.parametrize("mode", ["snapshot", "interrupt", "dedicated"])
+def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_path, mode):
     """Async + partial rollouts on the real stack (vLLM CPU + DeepSpeed, fp32): the π_prox the loss used
     equals, for every token, HF's log-prob under the weights of that token's version, kept aside by the
-    audit trail (the weights as synced to the engines). Recompute (the current weights) does not."""
+    audit trail (the weights as synced to the engines). Recompute (the current weights) does not.
+
+    snapshot scores stale tokens when the batch is consumed; interrupt (the actor's one kept copy) and
+    dedicated (a separate old-log-prob model) score them at the weight sync that retires their version,
+    in-flight prefixes included."""
     import glob
 
     from safetensors.torch import load_file
 
-    from tests.helpers.e2e import run_cli, tiny_args
+    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=24)
     for flag, value in (("--rollout.max_new_tokens", "48"), ("--data.max_len", "96")):
         args[args.index(flag) + 1] = value  # longer responses: more of them span a weight sync
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--ds.param_dtype", "fp32"]
-    flags += ["--vllm.dtype", "float32", "--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"]
-    flags += ["--algo.prox_audit_dir", audit]
+    flags += ["--vllm.dtype", "float32", "--algo.prox_mode", mode, "--algo.prox_audit_dir", audit]
+    if mode == "snapshot":
+        flags += ["--algo.prox_snapshots", "3"]
     rc, log = run_cli(args + flags, run_dir)
     assert rc == 0, log[-5000:]
+    tb = read_tensorboard(run_dir)
+    assert sum(v for _, v in tb["train/prox/masked_missing_tokens"]) == 0  # every stale token was scored
+    if mode != "snapshot":
+        assert sum(v for _, v in tb["train/prox/sync_scored_tokens"]) > 0
 
     weights = {int(p.rsplit("_v", 1)[1].split(".")[0]): load_file(p) for p in glob.glob(f"{audit}/weights_v*")}
     batches = [torch.load(p) for p in sorted(glob.glob(f"{audit}/batch_v*.pt"))]

@@ -10,10 +10,14 @@ from openrlhf_ess import cpu_compat
 
 cpu_compat.apply()
 
+import collections  # noqa: E402
+import time  # noqa: E402
+
 import ray  # noqa: E402
 from openrlhf.trainer import ppo_trainer as _upstream  # noqa: E402
 
-from openrlhf_ess import upstream  # noqa: E402
+from openrlhf_ess import config, upstream  # noqa: E402
+from openrlhf_ess.trainer import prox  # noqa: E402
 from openrlhf_ess.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
 from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
 
@@ -31,6 +35,8 @@ class OffPolicyControllerMixin:
         self.experience_maker.weight_version = self.weight_version
         status, global_step = super().train_step(rollout_samples, global_step)
         status.update(self.experience_maker.last_metrics)
+        status.update(getattr(self, "prox_sync_metrics", {}))  # the last sync's (score-at-sync modes)
+        self.prox_sync_metrics = {}
         return status, global_step
 
     def broadcast_to_vllm(self):
@@ -50,3 +56,75 @@ class PPOTrainerImpl(OffPolicyControllerMixin, _UpstreamPPOTrainer):
 
 
 PPOTrainer = ray.remote(PPOTrainerImpl)
+
+
+class ScoreAtSyncMixin(_upstream.BasePPOTrainer):
+    """Score the outgoing version's tokens at each weight sync (--algo.prox_mode interrupt / dedicated).
+
+    Placed between upstream's async ``TrainingActor`` and ``BasePPOTrainer`` in the MRO, so its
+    ``broadcast_to_vllm`` runs inside upstream's lock and generation pause (shared/DESIGN.md §4):
+
+    1. every engine reports the token streams that sampled tokens with the outgoing version V (in-flight
+       prefixes and finished, unconsumed responses; those the trainer already consumed are skipped);
+    2. their V tokens are scored with V's weights: the actor's one kept copy (interrupt) or the dedicated
+       model, which still holds V (dedicated); the log-probs wait in a ProxStore for their sample;
+    3. upstream's sync sends V+1 to the engines (and to the dedicated model); generation resumes.
+    """
+
+    prox_store = prox_scorer = None
+
+    def setup_score_at_sync(self, pretrain: str) -> None:
+        if self.args.algo.prox_mode not in config.SCORE_AT_SYNC_MODES:
+            return
+        self.prox_store = prox.ProxStore(keep_versions=config.max_lag_possible(self.args) + 1)
+        self.consumed = collections.Counter()  # streams consumed since the last sync: not scored again
+        self.prox_sync_metrics = {}
+        if self.args.algo.prox_mode == "dedicated":
+            from openrlhf_ess.trainer.ray import prox_scorer
+
+            self.prox_scorer = prox_scorer.create(self.args, pretrain)
+        self.experience_maker.prox_store, self.experience_maker.consumed = self.prox_store, self.consumed
+
+    def broadcast_to_vllm(self):
+        if self.prox_store is None:
+            return super().broadcast_to_vllm()
+        t0 = time.time()
+        version = self.weight_version
+        reports = [r for batch in ray.get([e.outgoing_streams.remote() for e in self.vllm_engines]) for r in batch]
+        todo = []
+        for report in reports:
+            key = tuple(report["stream"])
+            if report["finished"] and self.consumed[key] > 0:
+                self.consumed[key] -= 1
+                continue
+            todo.append(report)
+        self.consumed.clear()
+        log_probs = self._score(version, [r["stream"] for r in todo]) if todo else []
+        for report, lp in zip(todo, log_probs):
+            self.prox_store.put(report["stream"], report["versions"], version, lp)
+        scored_s = time.time() - t0
+        super().broadcast_to_vllm()
+        metrics = {
+            "prox/sync_score_seconds": scored_s,
+            "prox/sync_scored_streams": float(len(todo)),
+            "prox/sync_scored_tokens": float(sum(r["versions"].count(version) for r in todo)),
+            "prox/sync_skipped_consumed": float(len(reports) - len(todo)),
+        }
+        if self.prox_scorer is not None:
+            t1 = time.time()
+            refs = self.actor_model_group.async_run_method(method_name="weights_blob")
+            ray.get(self.prox_scorer.load_weights.remote(version + 1, refs[0]))
+            ray.get(refs)
+            metrics["prox/dedicated_load_seconds"] = time.time() - t1
+        metrics["prox/evicted_entries"] = float(self.prox_store.evict_before(version + 1))
+        metrics["prox/store_entries"] = float(len(self.prox_store))
+        self.prox_sync_metrics = metrics
+
+    def _score(self, version: int, streams):
+        if self.prox_scorer is not None:
+            return ray.get(self.prox_scorer.score.remote(version, streams))
+        actors = upstream.group_actors(self.actor_model_group)
+        size = -(-len(streams) // len(actors))
+        chunks = [streams[i : i + size] for i in range(0, len(streams), size)]
+        results = ray.get([actor.score_streams.remote(version, chunk) for actor, chunk in zip(actors, chunks)])
+        return [lp for chunk in results for lp in chunk]

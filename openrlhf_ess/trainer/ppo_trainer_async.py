@@ -13,7 +13,7 @@ import ray  # noqa: E402
 from openrlhf.trainer import ppo_trainer_async as _upstream  # noqa: E402
 
 from openrlhf_ess import upstream  # noqa: E402
-from openrlhf_ess.trainer.ppo_trainer import OffPolicyControllerMixin  # noqa: E402
+from openrlhf_ess.trainer.ppo_trainer import OffPolicyControllerMixin, ScoreAtSyncMixin  # noqa: E402
 from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
 
 _UpstreamGenerate = upstream.ray_actor_class(_upstream.GenerateSamplesActor)
@@ -26,10 +26,13 @@ class GenerateSamplesActorImpl(_UpstreamGenerate):
     __init__ = upstream.rebind(_UpstreamGenerate.__init__, {"SamplesGenerator": SamplesGenerator})
 
 
-class TrainingActorImpl(OffPolicyControllerMixin, _UpstreamTraining):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+class TrainingActorImpl(OffPolicyControllerMixin, _UpstreamTraining, ScoreAtSyncMixin):
+    # MRO: ours, upstream's TrainingActor (lock + pause around the sync), ScoreAtSyncMixin (scores inside
+    # the pause), BasePPOTrainer (the sync itself).
+    def __init__(self, pretrain, *args, **kwargs):
+        super().__init__(pretrain, *args, **kwargs)
         self.adopt_experience_maker()
+        self.setup_score_at_sync(pretrain)
 
 
 GenerateSamplesActor = ray.remote(GenerateSamplesActorImpl)

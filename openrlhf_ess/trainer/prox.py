@@ -103,3 +103,90 @@ class EwmaWeights:
 
     def load_state_dict(self, d: dict) -> None:
         self.decay, self.n, self._avg = d["decay"], d["n"], d["avg"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Scoring at weight sync (interrupt and dedicated modes, shared/DESIGN.md §4)
+#
+# At the sync V -> V+1, every request that sampled tokens with V (in flight, or finished and not yet
+# consumed) is reported by its engine as a token stream (prompt + output so far) with per-token versions.
+# Its V tokens are scored with V's weights right then (the actor's one kept copy, or the dedicated model
+# that still holds V) and kept in a ProxStore until the trainer consumes the sample.
+
+
+@torch.no_grad()
+def stream_log_probs(model: torch.nn.Module, streams, temperature: float = 1.0, micro_batch: int = 16):
+    """log π(s_t | s_<t) for t >= 1 of each token stream, as the actor's forward computes it.
+
+    The streams are right-padded (so position ids are 0..L-1, as upstream's Actor derives them from the
+    attention mask) and the logits are divided by the sampling temperature in fp32 before the softmax.
+    Returns one fp32 CPU tensor of length len(stream) - 1 per stream.
+    """
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(streams), micro_batch):
+        chunk = [torch.as_tensor(s, dtype=torch.long) for s in streams[start : start + micro_batch]]
+        width = max(len(s) for s in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, s in enumerate(chunk):
+            ids[i, : len(s)], mask[i, : len(s)] = s, 1
+        positions = torch.arange(width).expand(len(chunk), width)
+        logits = model(
+            input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device)
+        ).logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device))[..., 0].cpu()
+        out.extend(lp[i, : len(s) - 1] for i, s in enumerate(chunk))
+    return out
+
+
+class ProxStore:
+    """π_prox of tokens scored at a weight sync, until the trainer consumes their sample.
+
+    Keyed by content: (the token stream up to the last token of version v, v). Two samples with the same
+    prefix and versions have the same π_prox, so content addressing is exact; a count per key lets each
+    copy consume it once. Entries older than ``keep_versions`` syncs are dropped (their samples can no
+    longer be consumed without exceeding the queue's lag), so the store stays bounded.
+    """
+
+    def __init__(self, keep_versions: int):
+        self.keep_versions = keep_versions
+        self._entries: Dict[tuple, list] = {}  # (stream prefix, version) -> [log-probs (len - 1,), count]
+
+    def put(self, stream, versions, version: int, log_probs: torch.Tensor) -> None:
+        """``versions``: per stream token (prompt tokens NO_VERSION); ``log_probs``: per token t >= 1."""
+        end = max(i for i, v in enumerate(versions) if v == version) + 1
+        key = (tuple(stream[:end]), version)
+        if key in self._entries:
+            self._entries[key][1] += 1
+        else:
+            self._entries[key] = [log_probs[: end - 1].clone(), 1]
+
+    def take(self, stream, action_versions, version: int) -> Optional[torch.Tensor]:
+        """π_prox for the action positions (token t -> column t - 1) of ``stream`` sampled by ``version``.
+
+        ``action_versions`` is the sample's per-column version row. Returns the log-probs up to the last
+        such column (a prefix of the columns), or None when nothing was stored for it.
+        """
+        columns = [c for c, v in enumerate(action_versions) if v == version]
+        end = columns[-1] + 2  # token index of the last column, + 1
+        key = (tuple(stream[:end]), version)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._entries[key]
+        return entry[0]
+
+    def evict_before(self, version: int) -> int:
+        """Drop entries of versions < ``version - keep_versions``; returns how many were dropped."""
+        old = [k for k in self._entries if k[1] < version - self.keep_versions]
+        for k in old:
+            del self._entries[k]
+        return len(old)
+
+    def __len__(self) -> int:
+        return len(self._entries)

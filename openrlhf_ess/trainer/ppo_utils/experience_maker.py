@@ -29,6 +29,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         ours.__dict__.update(vars(maker))
         ours.weight_version = 0
         ours.last_metrics: Dict[str, float] = {}
+        ours.prox_store = ours.consumed = None  # set by the controller in interrupt / dedicated modes
         return ours
 
     def split_rollout_samples(self, rollout_samples):
@@ -68,6 +69,8 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         stale = torch.zeros((), dtype=torch.float64)
         prox_missing = 0
         for exp in experiences:
+            if self.prox_store is not None:
+                fill_prox_from_store(exp, self.prox_store, self.consumed, self.weight_version)
             exp.action_mask, lag, sampled, n_stale = mask_stale_tokens(
                 exp.action_mask, exp.rollout_versions, self.weight_version, max_lag
             )
@@ -78,12 +81,16 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                 interpolated = corrections.loglinear_prox_log_probs(exp.rollout_log_probs, exp.action_log_probs, lag)
                 exp.action_log_probs = torch.where(tagged, interpolated, exp.action_log_probs)
             missing = torch.isnan(exp.action_log_probs) & exp.action_mask.bool()
-            if missing.any():  # snapshot mode: a version no longer kept (never scored with other weights)
+            if missing.any():  # exact modes: no weights of that version (never scored with other weights)
                 if algo.prox_missing == "error":
+                    fix = (
+                        f"(--algo.prox_snapshots {algo.prox_snapshots}); raise it or bound --algo.max_version_lag"
+                        if algo.prox_mode == "snapshot"
+                        else "at the weight sync (their stream was not reported or was truncated by --data.max_len)"
+                    )
                     raise RuntimeError(
-                        f"{int(missing.sum())} tokens were sampled by a weight version no longer kept "
-                        f"(--algo.prox_snapshots {algo.prox_snapshots}); raise it or bound --algo.max_version_lag, "
-                        "or use --algo.prox_missing mask."
+                        f"{int(missing.sum())} tokens have no pi_prox from the weight version that sampled them "
+                        f"{fix}, or use --algo.prox_missing mask."
                     )
                 prox_missing += int(missing.sum())
                 exp.action_mask = exp.action_mask & ~missing
@@ -117,6 +124,28 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                 }
             )
         return experiences
+
+
+def fill_prox_from_store(exp, store, consumed, version: int) -> None:
+    """interrupt / dedicated modes: π_prox of stale tokens from the scores taken at their version's sync.
+
+    Tokens of the current version keep the forward with the live weights (exact: the actor holds that
+    version). A stale token with no stored score gets NaN, masked and counted by the caller. Every row's
+    stream is recorded in ``consumed`` so the next sync does not score it again.
+    """
+    for row in range(exp.sequences.shape[0]):
+        n = int(exp.attention_mask[row].sum())
+        stream = exp.sequences[row, :n].tolist()
+        consumed[tuple(stream)] += 1
+        versions = exp.rollout_versions[row].tolist()
+        for v in sorted(set(versions) - {NO_VERSION}):
+            if v >= version:
+                continue
+            cols = torch.tensor([c for c, x in enumerate(versions) if x == v])
+            scored = store.take(stream, versions, v)
+            exp.action_log_probs[row, cols] = (
+                float("nan") if scored is None else scored[cols].to(exp.action_log_probs.dtype)
+            )
 
 
 def write_audit_batch(folder: str, version: int, experiences) -> None:

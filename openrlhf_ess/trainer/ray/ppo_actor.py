@@ -58,8 +58,9 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         self.snapshots = self.ewma = None
         self._prox_seconds, self._prox_forwards, self._prox_missing = 0.0, 0, 0
         self._optimizer_steps_seen = 0
-        if algo.prox_mode == "snapshot":
-            self.snapshots = prox.WeightSnapshots(algo.prox_snapshots)
+        if algo.prox_mode in ("snapshot", "interrupt"):
+            # interrupt scores at each sync, so only the version the engines hold must be kept
+            self.snapshots = prox.WeightSnapshots(algo.prox_snapshots if algo.prox_mode == "snapshot" else 1)
             self.snapshots.put(self.weight_version, self.actor.model.module)
         elif algo.prox_mode == "ewma":
             self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
@@ -147,6 +148,25 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
                 out[selected] = scored[selected]
                 self._prox_forwards += 1
         self._prox_seconds += time.time() - t0
+        return out
+
+    def score_streams(self, version: int, streams) -> list:
+        """interrupt mode, at the sync version -> version + 1: π_version of each token stream, scored with the
+        kept copy of ``version``'s weights (the live weights are already the next version's)."""
+        state = self.snapshots.get(version)
+        if state is None:
+            raise RuntimeError(f"interrupt mode: no copy of version {version} (kept: {self.snapshots.versions()})")
+        t0 = time.time()
+        model = self.actor.model.module
+        was_training = model.training
+        model.eval()
+        try:
+            with prox.swapped_weights(model, state):
+                out = prox.stream_log_probs(model, streams, self.args.rollout.temperature)
+        finally:
+            model.train(was_training)
+        self._prox_seconds += time.time() - t0
+        self._prox_forwards += 1
         return out
 
     def prox_metrics(self) -> dict:
@@ -265,6 +285,14 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         safetensors blob, and every engine loads the blob with vLLM's ``reload_weights``. Cost: one
         host copy of the model per sync.
         """
+        blob = self.weights_blob()
+        if blob is not None:
+            ray.get([engine.load_weights_from_safetensors.remote(blob) for engine in self.vllm_engines])
+        torch_dist_barrier_and_cuda_sync()
+
+    def weights_blob(self):
+        """The full HF weights as safetensors bytes on rank 0 (None on other ranks; all ranks must call:
+        ZeRO-3 gathers). What the reload backend sends to the engines and the dedicated π_prox model."""
         from safetensors.torch import save
 
         model = self.actor.model.module
@@ -276,10 +304,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             if torch.distributed.get_rank() == 0:
                 for name, param in params:
                     state[name] = param.data.detach().to("cpu", copy=True).contiguous()
-        if torch.distributed.get_rank() == 0:
-            blob = save(state)
-            ray.get([engine.load_weights_from_safetensors.remote(blob) for engine in self.vllm_engines])
-        torch_dist_barrier_and_cuda_sync()
+        return save(state) if torch.distributed.get_rank() == 0 else None
 
 
 _UpstreamPolicyModelActor = upstream.ray_actor_class(_upstream.PolicyModelActor)
@@ -309,6 +334,14 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
         if ours:
             client_states[CHECKPOINT_KEY] = ours
         return super().save_checkpoint(tag, client_states, metric_value, metric_key)
+
+    def score_streams(self, version: int, streams) -> list:
+        """interrupt mode: π_version of token streams (see ActorPPOTrainer.score_streams)."""
+        return self.trainer.score_streams(version, streams)
+
+    def weights_blob(self):
+        """dedicated mode: the weights for the old-log-prob model (rank 0; every rank must call)."""
+        return self.trainer.weights_blob()
 
     def forward(
         self,

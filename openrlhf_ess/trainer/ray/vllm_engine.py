@@ -35,11 +35,12 @@ _GENERATE_CALLS: contextvars.ContextVar[Optional[List[List[int]]]] = contextvars
 class _Progress:
     """Output tokens streamed so far for one request, and the weight version of each stretch of them."""
 
-    __slots__ = ("streamed", "starts", "versions")
+    __slots__ = ("streamed", "starts", "versions", "prompt", "tokens")
 
     def __init__(self, version: int):
         self.streamed = 0
         self.starts, self.versions = [0], [version]
+        self.prompt, self.tokens = (), ()  # prompt token ids, output token ids so far (outgoing scoring)
 
     def switch(self, version: int) -> None:
         # Generation is paused during a weight sync, so every token streamed so far was sampled by
@@ -105,16 +106,22 @@ class _VersionTaggingExecutor:
 
 
 class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
-    async def __init__(self, *args, force_logprobs: bool = False, track_versions: bool = False, **kwargs):
+    async def __init__(
+        self, *args, force_logprobs: bool = False, track_versions: bool = False, report_outgoing=False, **kwargs
+    ):
         """Extends upstream's init.
 
         ``force_logprobs``: always return the sampled token's log-prob (μ).
         ``track_versions``: tag every response token with the weight version that sampled it
         (``response["rollout_versions"]``), across weight syncs inside one response.
+        ``report_outgoing``: keep the token streams of the current version for ``outgoing_streams``
+        (interrupt and dedicated π_prox modes).
         """
         self.force_logprobs = force_logprobs
+        self.report_outgoing = report_outgoing
         self.weight_version = 0
         self._inflight: Dict[str, _Progress] = {}
+        self._finished: List[_Progress] = []  # requests finished since the last outgoing_streams()
         await super().__init__(*args, **kwargs)
         if track_versions:
             self.executor = _VersionTaggingExecutor(self.executor)
@@ -129,9 +136,13 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             try:
                 async for output in generate(prompt, sampling_params, *args, request_id=request_id, **kwargs):
                     progress.streamed = len(output.outputs[0].token_ids)
+                    if self.report_outgoing:
+                        progress.prompt, progress.tokens = output.prompt_token_ids, output.outputs[0].token_ids
                     yield output
             finally:
                 self._inflight.pop(request_id, None)
+                if self.report_outgoing and progress.streamed:
+                    self._finished.append(progress)
             calls = _GENERATE_CALLS.get()
             if calls is not None:
                 calls.append(progress.token_versions(progress.streamed))
@@ -158,6 +169,31 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
     async def inflight_tokens(self) -> List[int]:
         """Output tokens streamed so far by each in-flight request (introspection for tests and logs)."""
         return [p.streamed for p in self._inflight.values()]
+
+    async def outgoing_streams(self) -> List[Dict[str, Any]]:
+        """Every request that sampled tokens with the current weights, for scoring before they change.
+
+        Called by the trainer at a weight sync while generation is paused (partial rollouts) or idle:
+        in-flight requests (their output so far) and requests finished since the last call. Each is
+        ``{"stream": prompt + output token ids, "versions": per stream token (prompt: NO_VERSION),
+        "finished": bool}``. Finished requests are reported once.
+        """
+        out = []
+        for progress, finished in [(p, False) for p in self._inflight.values()] + [(p, True) for p in self._finished]:
+            n = progress.streamed
+            versions = progress.token_versions(n)
+            if self.weight_version not in versions:
+                continue
+            prompt = list(progress.prompt)
+            out.append(
+                {
+                    "stream": prompt + list(progress.tokens[:n]),
+                    "versions": [NO_VERSION] * len(prompt) + versions,
+                    "finished": finished,
+                }
+            )
+        self._finished = []
+        return out
 
     async def set_weight_version(self, version: int) -> int:
         """Called by the trainer after a complete weight sync, while generation is paused (or idle)."""
@@ -222,6 +258,8 @@ def engine_kwargs(args) -> Dict[str, Any]:
         extra.update(force_logprobs=True, logprobs_mode="processed_logprobs", max_logprobs=1)
     if config.needs_versions(args):
         extra["track_versions"] = True
+    if args.algo.prox_mode in config.SCORE_AT_SYNC_MODES:
+        extra["report_outgoing"] = True
     if args.vllm.dtype != "bfloat16":
         extra["dtype"] = args.vllm.dtype
     if not cpu_compat.cuda_available():

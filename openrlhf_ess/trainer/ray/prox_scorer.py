@@ -1,0 +1,82 @@
+"""The dedicated old-log-prob model (``--algo.prox_mode dedicated``, shared/DESIGN.md §4).
+
+A Ray actor holding an HF copy of the policy at the version the vLLM engines hold. At every weight sync
+the trainer first has it score the outgoing version's tokens (it still holds that version), then sends
+it the new weights together with the engines. The actor's ranks never swap weights or keep copies, so
+this works with every ZeRO stage; the cost is one more device and one host copy of the weights per sync.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List
+
+from openrlhf_ess import cpu_compat
+
+cpu_compat.apply()
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from openrlhf_ess.trainer import prox  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --ds.param_dtype
+READY_TIMEOUT_S = 600  # model load included; a scorer that cannot be placed fails instead of hanging
+
+
+class ProxScorerImpl:
+    def __init__(self, pretrain: str, dtype: str, attn_implementation: str, temperature: float):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            pretrain, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+        ).to(self.device)
+        self.model.eval()
+        self.temperature = temperature
+        self.version = 0
+
+    def ready(self) -> int:
+        return self.version
+
+    def score(self, version: int, streams: List[List[int]]) -> List[torch.Tensor]:
+        """log π_version(s_t | s_<t) per stream; refuses to score a version it does not hold."""
+        if version != self.version:
+            raise RuntimeError(
+                f"dedicated old-log-prob model holds version {self.version}, asked to score version {version}: "
+                "a weight sync reached it out of order."
+            )
+        return prox.stream_log_probs(self.model, streams, self.temperature)
+
+    def load_weights(self, version: int, blob: bytes) -> float:
+        """Take version ``version``'s weights (safetensors bytes of the actor's HF parameters)."""
+        from safetensors.torch import load
+
+        t0 = time.time()
+        state = load(blob)
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise RuntimeError(f"dedicated model: weights do not match (missing {missing}, unexpected {unexpected})")
+        self.version = int(version)
+        return time.time() - t0
+
+
+ProxScorer = ray.remote(ProxScorerImpl)
+
+
+def create(args, pretrain: str):
+    """Start the dedicated model on its own device slot and wait until it is loaded (or fail clearly)."""
+    scorer = ProxScorer.options(num_gpus=args.algo.prox_dedicated_num_gpus, num_cpus=1).remote(
+        pretrain, args.ds.param_dtype, args.ds.attn_implementation, args.rollout.temperature
+    )
+    try:
+        ray.get(scorer.ready.remote(), timeout=READY_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.kill(scorer)
+        raise RuntimeError(
+            f"the dedicated old-log-prob model (--algo.prox_mode dedicated) could not start within "
+            f"{READY_TIMEOUT_S} s: no free device for --algo.prox_dedicated_num_gpus "
+            f"{args.algo.prox_dedicated_num_gpus}? Add a GPU to the Ray cluster, or use --algo.prox_mode interrupt "
+            "(the actor scores with one kept copy)."
+        ) from None
+    return scorer
