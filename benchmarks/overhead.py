@@ -24,7 +24,7 @@ from typing import Dict, List
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from openrlhf_ess.tiny.world import build_world  # noqa: E402
+from benchmarks.common import add_model_arguments, check_model_arguments, run_flags, world_for  # noqa: E402
 from openrlhf_ess.tools.summary import read_scalars  # noqa: E402
 
 ASYNC = ["--train.async_enable", "--train.partial_rollout_enable"]
@@ -40,11 +40,20 @@ GROUPS = {
     "async + partial": {
         "off (recompute)": ASYNC,
         "snapshot": ASYNC + ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"],
+        "interrupt": ASYNC + ["--algo.prox_mode", "interrupt"],
+        "dedicated": ASYNC + ["--algo.prox_mode", "dedicated"],
         "ewma": ASYNC + ["--algo.prox_mode", "ewma"],
         "loglinear": ASYNC + ["--algo.prox_mode", "loglinear"],
     },
 }
 TIMINGS = ("timing/ppo_train", "timing/make_experience", "timing/generation", "timing/broadcast")
+# What a π_prox mode or the sync check reports as its own cost (seconds per step), summed into one column.
+OWN_COST = (
+    "prox/extra_forward_seconds",
+    "prox/sync_score_seconds",
+    "prox/dedicated_load_seconds",
+    "sync/canary_seconds",
+)
 
 
 def _tree_rss(pid: int) -> int:
@@ -64,10 +73,8 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def run_once(world: dict, flags: List[str], run_dir: str, prompts: int) -> Dict[str, float]:
-    from tests.helpers.e2e import tiny_args
-
-    args = tiny_args(world, run_dir, steps_prompts=prompts)
+def run_once(a, world: dict, flags: List[str], run_dir: str, prompts: int) -> Dict[str, float]:
+    args = run_flags(a, world, run_dir, prompts)
     if "--algo.kl.init_coef" in flags:  # the KL group sets its own coefficient
         i = args.index("--algo.kl.init_coef")
         del args[i : i + 2]
@@ -99,9 +106,10 @@ def summarize_run(run_dir: str, peak_rss_gb: float) -> Dict[str, float]:
     shared 2-core machine produces) and the peak memory, saved next to the run."""
     scalars = read_scalars(os.path.join(run_dir, "tb"))
     out = {"peak_rss_gb": peak_rss_gb, "steps": float(len(scalars["train/reward"]))}
-    for tag in TIMINGS:
+    for tag in TIMINGS + OWN_COST:
         values = [v for _, v in scalars.get(f"train/{tag}", [])][1:]
         out[tag] = statistics.median(values) if values else float("nan")
+    out["own_cost"] = sum(out[t] for t in OWN_COST if out[t] == out[t])
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(out, f)
     return out
@@ -112,9 +120,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64, help="prompts per run (8 per step)")
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks.md"))
     parser.add_argument("--groups", nargs="*", default=list(GROUPS), help=f"subset of {list(GROUPS)}")
+    add_model_arguments(parser)
     a = parser.parse_args()
+    check_model_arguments(parser, a)
     root = tempfile.mkdtemp(prefix="ess_bench_")
-    world = build_world(os.path.join(root, "world"), seed=0, n_prompts=a.prompts)
+    world = world_for(a, root, a.prompts)
     results: Dict[str, Dict[str, Dict[str, float]]] = {}
     for group, configs in GROUPS.items():
         if group not in a.groups:
@@ -124,7 +134,7 @@ def main() -> None:
             run_dir = os.path.join(root, f"{group}_{name}".replace(" ", "_").replace("+", "p"))
             os.makedirs(run_dir)
             t0 = time.time()
-            results[group][name] = run_once(world, flags, run_dir, a.prompts)
+            results[group][name] = run_once(a, world, flags, run_dir, a.prompts)
             print(f"[bench] {group} / {name}: {results[group][name]} ({time.time() - t0:.0f} s)", flush=True)
     write_report(results, a.out, a.prompts)
     print(f"[bench] wrote {a.out}")
@@ -140,7 +150,9 @@ def write_report(results, path: str, prompts: int) -> None:
         "over the steps after the first; ratios are against the group's baseline (same flags, feature off). Peak",
         "memory is the resident memory of the whole process tree (Ray workers included). One run of 7 timed steps",
         "per configuration on a shared 2-core machine: differences of ~10% are noise (a feature cannot make a",
-        "step faster; ratios below 1 show the noise level).",
+        "step faster; ratios below 1 show the noise level). 'own cost' is what the feature reports as its own",
+        "time per step (median): π_prox extra forwards, scoring at sync, the dedicated model's weight load, the",
+        "weight-sync canary; it is measured inside the step, so it is not subject to the between-run noise.",
         "",
     ]
     for group, runs in results.items():
@@ -150,15 +162,16 @@ def write_report(results, path: str, prompts: int) -> None:
             f"## {group}",
             "",
             "| config | ppo_train s/step | ratio | make_experience s/step | ratio |"
-            " generation s/step | peak RSS GB | ratio |",
-            "|---|---|---|---|---|---|---|---|",
+            " generation s/step | broadcast s/step | own cost s/step | peak RSS GB | ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in runs.items():
             lines.append(
                 f"| {name} | {r['timing/ppo_train']:.4f} | {r['timing/ppo_train'] / base['timing/ppo_train']:.3f} "
                 f"| {r['timing/make_experience']:.4f} | "
                 f"{r['timing/make_experience'] / base['timing/make_experience']:.3f} | "
-                f"{r['timing/generation']:.3f} | {r['peak_rss_gb']:.2f} | "
+                f"{r['timing/generation']:.3f} | {r['timing/broadcast']:.3f} | {r.get('own_cost', 0.0):.4f} | "
+                f"{r['peak_rss_gb']:.2f} | "
                 f"{r['peak_rss_gb'] / base['peak_rss_gb']:.3f} |"
             )
         lines.append("")

@@ -460,7 +460,8 @@ def _validate_prox(args: types.SimpleNamespace) -> None:
     if mode in ("snapshot", "ewma", "interrupt") and args.ds.zero_stage == 3:
         raise ConfigError(
             f"--algo.prox_mode {mode} scores tokens by swapping full weights into the actor, which ZeRO-3 shards: "
-            "use --ds.zero_stage 0-2, or --algo.prox_mode loglinear (no extra forward)."
+            "use --ds.zero_stage 0-2, --algo.prox_mode dedicated (exact, on its own device) or --algo.prox_mode "
+            "loglinear (no extra forward)."
         )
     if mode in ("snapshot", "ewma", "interrupt") and args.ds.tensor_parallel_size > 1:
         raise ConfigError(f"--algo.prox_mode {mode} needs full weights per rank: drop --ds.tensor_parallel_size.")

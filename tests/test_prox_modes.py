@@ -34,6 +34,51 @@ def _hf_log_probs(model_dir, state, sequences, n_actions):
     return lp.gather(-1, sequences[:, 1:, None])[..., 0][:, -n_actions:]
 
 
+def audit_exactness(audit: str, model_dir: str, n_batches: int):
+    """Recompute, with HF and the audit trail's weights of each version, every token's log-prob and compare
+    with the π_prox the loss used. Returns (tokens checked, stale tokens checked, responses spanning a sync,
+    worst |difference|, largest gap between the used value and the current weights' on stale tokens)."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    weights = {int(p.rsplit("_v", 1)[1].split(".")[0]): load_file(p) for p in glob.glob(f"{audit}/weights_v*")}
+    batches = [torch.load(p) for p in sorted(glob.glob(f"{audit}/batch_v*.pt"))]
+    assert len(batches) == n_batches and len(weights) >= n_batches, (len(batches), sorted(weights))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    checked = stale_checked = mixed_responses = 0
+    worst = recompute_gap = 0.0
+    for batch in batches:
+        current = batch["weight_version"]
+        for mb in batch["micro_batches"]:
+            seqs, mask, versions, used = mb["sequences"], mb["action_mask"].bool(), mb["rollout_versions"], None
+            used = mb["action_log_probs"]
+            n = mask.shape[1]
+            hf = {}
+            for v in sorted(set(versions[mask].tolist())):
+                model.load_state_dict(weights[v])
+                with torch.no_grad():
+                    lp = model(seqs, attention_mask=mb["attention_mask"]).logits.float().log_softmax(-1)[:, :-1]
+                hf[v] = lp.gather(-1, seqs[:, 1:, None])[..., 0][:, -n:]
+                sel = mask & (versions == v)
+                worst = max(worst, (used[sel] - hf[v][sel]).abs().max().item())
+                checked += int(sel.sum())
+            if current not in hf:
+                model.load_state_dict(weights[current])
+                with torch.no_grad():
+                    lp = model(seqs, attention_mask=mb["attention_mask"]).logits.float().log_softmax(-1)[:, :-1]
+                hf[current] = lp.gather(-1, seqs[:, 1:, None])[..., 0][:, -n:]
+            stale = mask & (versions >= 0) & (versions < current)
+            if stale.any():  # what upstream's recompute would have used: the current weights
+                recompute_gap = max(recompute_gap, (used[stale] - hf[current][stale]).abs().max().item())
+                stale_checked += int(stale.sum())
+            for row in range(seqs.shape[0]):
+                mixed_responses += len(set(versions[row][mask[row]].tolist())) > 1
+    return checked, stale_checked, mixed_responses, worst, recompute_gap
+
+
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_snapshot_scores_each_token_with_its_version(tiny_world, tmp_path, zero_stage):
     res = _run(tiny_world, tmp_path, zero_stage=zero_stage, mode="snapshot")
@@ -68,8 +113,20 @@ def test_ewma_scores_with_bias_corrected_average(tiny_world, tmp_path):
     assert res["metrics"]["prox/extra_forwards"] == 1.0
 
 
-@pytest.mark.parametrize("mode", ["snapshot", "interrupt", "dedicated"])
-def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_path, mode):
+@pytest.mark.parametrize(
+    "mode, extra",
+    [
+        ("snapshot", []),
+        ("interrupt", []),
+        ("dedicated", []),
+        # ZeRO-3 shards the actor: the dedicated model gets the gathered weights at every sync
+        pytest.param("dedicated", ["--ds.zero_stage", "3"], marks=pytest.mark.slow, id="dedicated-zero3"),
+        # two actor ranks: stale streams are split between them, each scores with its kept copy
+        pytest.param("interrupt", ["--actor.num_gpus_per_node", "2"], marks=pytest.mark.slow, id="interrupt-2ranks"),
+        pytest.param("snapshot", ["--actor.num_gpus_per_node", "2"], marks=pytest.mark.slow, id="snapshot-2ranks"),
+    ],
+)
+def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_path, mode, extra):
     """Async + partial rollouts on the real stack (vLLM CPU + DeepSpeed, fp32): the π_prox the loss used
     equals, for every token, HF's log-prob under the weights of that token's version, kept aside by the
     audit trail (the weights as synced to the engines). Recompute (the current weights) does not.
@@ -77,10 +134,6 @@ def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_pa
     snapshot scores stale tokens when the batch is consumed; interrupt (the actor's one kept copy) and
     dedicated (a separate old-log-prob model) score them at the weight sync that retires their version,
     in-flight prefixes included."""
-    import glob
-
-    from safetensors.torch import load_file
-
     from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
@@ -91,47 +144,14 @@ def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_pa
     flags += ["--vllm.dtype", "float32", "--algo.prox_mode", mode, "--algo.prox_audit_dir", audit]
     if mode == "snapshot":
         flags += ["--algo.prox_snapshots", "3"]
-    rc, log = run_cli(args + flags, run_dir)
+    rc, log = run_cli(args + flags + extra, run_dir)
     assert rc == 0, log[-5000:]
     tb = read_tensorboard(run_dir)
     assert sum(v for _, v in tb["train/prox/masked_missing_tokens"]) == 0  # every stale token was scored
     if mode != "snapshot":
         assert sum(v for _, v in tb["train/prox/sync_scored_tokens"]) > 0
 
-    weights = {int(p.rsplit("_v", 1)[1].split(".")[0]): load_file(p) for p in glob.glob(f"{audit}/weights_v*")}
-    batches = [torch.load(p) for p in sorted(glob.glob(f"{audit}/batch_v*.pt"))]
-    assert len(batches) == 3 and len(weights) >= 3
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_world["model"], dtype=torch.float32).eval()
-    checked = stale_checked = mixed_responses = 0
-    worst = recompute_gap = 0.0
-    for batch in batches:
-        current = batch["weight_version"]
-        for mb in batch["micro_batches"]:
-            seqs, mask, versions, used = mb["sequences"], mb["action_mask"].bool(), mb["rollout_versions"], None
-            used = mb["action_log_probs"]
-            n = mask.shape[1]
-            hf = {}
-            for v in sorted(set(versions[mask].tolist())):
-                model.load_state_dict(weights[v])
-                with torch.no_grad():
-                    lp = model(seqs, attention_mask=mb["attention_mask"]).logits.float().log_softmax(-1)[:, :-1]
-                hf[v] = lp.gather(-1, seqs[:, 1:, None])[..., 0][:, -n:]
-                sel = mask & (versions == v)
-                worst = max(worst, (used[sel] - hf[v][sel]).abs().max().item())
-                checked += int(sel.sum())
-            if current not in hf:
-                model.load_state_dict(weights[current])
-                with torch.no_grad():
-                    lp = model(seqs, attention_mask=mb["attention_mask"]).logits.float().log_softmax(-1)[:, :-1]
-                hf[current] = lp.gather(-1, seqs[:, 1:, None])[..., 0][:, -n:]
-            stale = mask & (versions >= 0) & (versions < current)
-            if stale.any():  # what upstream's recompute would have used: the current weights
-                recompute_gap = max(recompute_gap, (used[stale] - hf[current][stale]).abs().max().item())
-                stale_checked += int(stale.sum())
-            for row in range(seqs.shape[0]):
-                mixed_responses += len(set(versions[row][mask[row]].tolist())) > 1
+    checked, stale_checked, mixed_responses, worst, recompute_gap = audit_exactness(audit, tiny_world["model"], 3)
     assert checked > 200 and stale_checked > 0
     assert mixed_responses > 0, "no response spanned a weight sync: the partial-rollout case went untested"
     assert worst < 1e-4, f"pi_prox differs from its version's weights by {worst:.2e}"
@@ -161,3 +181,66 @@ def test_ewma_state_survives_checkpoint_and_resume(tiny_world, tmp_path):
     assert resumed and min(resumed) >= 3, resumed  # it did resume from the checkpoint
     for step, updates in resumed.items():
         assert updates == float(step), resumed  # restored count; a fresh EWMA would restart at 1
+
+
+@pytest.mark.slow
+def test_killed_between_steps_resumes_exactly(tiny_world, tmp_path):
+    """The job is killed (SIGKILL, whole process group) after its step-2 checkpoint; the same command run
+    again resumes from that checkpoint, and with an exact π_prox mode (interrupt) every token of the
+    resumed run is scored with its version's weights (audit trail, HF recomputation)."""
+    import glob
+    import shutil
+    import signal
+    import time
+
+    import psutil
+
+    from tests.helpers.e2e import REPO as E2E_REPO
+    from tests.helpers.e2e import read_tensorboard, tiny_args
+
+    run_dir, audit = str(tmp_path), str(tmp_path / "audit")
+    args = tiny_args(tiny_world, run_dir, steps_prompts=40)  # 5 steps
+    for flag, value in (("--rollout.max_new_tokens", "48"), ("--data.max_len", "96")):
+        args[args.index(flag) + 1] = value
+    args += ["--train.async_enable", "--train.partial_rollout_enable", "--ds.param_dtype", "fp32"]
+    args += ["--vllm.dtype", "float32", "--algo.prox_mode", "interrupt", "--algo.prox_audit_dir", audit]
+    args += ["--ckpt.save_steps", "1", "--ckpt.load_enable"]
+    ckpt = args[args.index("--ckpt.path") + 1]
+    ray_dir = args[args.index("--ray.temp_dir") + 1]
+    cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": run_dir}
+
+    with open(os.path.join(run_dir, "first.txt"), "w") as log:
+        first = subprocess.Popen(
+            cmd, cwd=E2E_REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def saved_step():  # DeepSpeed writes `latest` (the tag) once a checkpoint is complete
+        tags = [open(f).read().strip() for f in glob.glob(f"{ckpt}/**/latest", recursive=True)]
+        return max([int(t[len("global_step") :]) for t in tags if t.startswith("global_step")], default=0)
+
+    deadline = time.time() + 600
+    while saved_step() < 2:
+        assert first.poll() is None, open(os.path.join(run_dir, "first.txt")).read()[-4000:]
+        assert time.time() < deadline, "no step-2 checkpoint within 10 minutes"
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGKILL)  # the job, its Ray head and workers started in its session
+    first.wait(timeout=60)
+    # Ray's own daemons may have left the session: stop those of this run's private temp dir, by PID
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        if any(ray_dir in part for part in (proc.info["cmdline"] or [])):
+            proc.kill()
+    shutil.rmtree(ray_dir, ignore_errors=True)
+    killed_after = saved_step()
+    assert killed_after < 5  # it really stopped early
+    shutil.move(audit, audit + "_first")  # the audit trail restarts with the run's versions
+
+    with open(os.path.join(run_dir, "second.txt"), "w") as log:
+        rc = subprocess.run(cmd, cwd=E2E_REPO, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=900).returncode
+    assert rc == 0, open(os.path.join(run_dir, "second.txt")).read()[-5000:]
+    steps = [s for s, _ in read_tensorboard(run_dir)["train/reward"]]
+    assert max(steps) == 5
+    batches = len(glob.glob(f"{audit}/batch_v*.pt"))
+    assert batches == 5 - killed_after, (batches, killed_after)  # resumed from the last checkpoint
+    checked, stale, mixed, worst, gap = audit_exactness(audit, tiny_world["model"], batches)
+    assert checked > 100 and worst < 1e-4, (checked, worst)

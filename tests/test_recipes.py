@@ -61,3 +61,23 @@ def test_gpu_recipe_passes_validation(script, monkeypatch):
     monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
     args, _ = parse_args(_argv(script))
     assert args.actor.model_name_or_path == "PLACEHOLDER"
+
+
+def _benchmark_configs():
+    from benchmarks import overhead, staleness
+
+    for group, configs in overhead.GROUPS.items():
+        for name, flags in configs.items():
+            yield f"overhead/{group}/{name}", flags
+    for level, name in staleness.grid(list(staleness.STALENESS), list(staleness.CORRECTIONS)):
+        yield f"staleness/{level}/{name}", staleness.STALENESS[level] + staleness.CORRECTIONS[name]
+
+
+@pytest.mark.parametrize("name, flags", list(_benchmark_configs()), ids=lambda x: x if isinstance(x, str) else "")
+def test_benchmark_configs_pass_validation(tiny_world, tmp_path, name, flags):
+    """Every configuration the benchmark and the staleness experiment run is a valid command (they would
+    otherwise fail an hour into a measurement)."""
+    from openrlhf_ess.cli.train_ppo_ray import parse_args
+    from tests.helpers.e2e import tiny_args
+
+    parse_args(tiny_args(tiny_world, str(tmp_path)) + flags)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -87,6 +88,10 @@ def init_ray(args) -> None:
         # Short path: Ray's unix sockets live under it and are limited to ~107 characters.
         temp_dir = tempfile.mkdtemp(prefix="ray_ess_", dir="/tmp")
         atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
+    # A worker that dies (OOM killer, segfault, ray.kill) takes its process group with it: without this a
+    # vLLM engine actor's EngineCore and worker processes outlive it, holding (GPU) memory after the run.
+    # Read by the raylet we start here; a cluster joined with --ray.address needs it set at `ray start`.
+    os.environ.setdefault("RAY_process_group_cleanup_enabled", "true")
     num_gpus = None
     if not cpu_compat.cuda_available():
         num_gpus = args.ray.num_gpus or config.logical_gpus_needed(args)
@@ -103,8 +108,70 @@ def init_ray(args) -> None:
     )
 
 
+class ActorDied(RuntimeError):
+    """A Ray actor of the run died (engine, trainer or controller): the run stops; the message says what to do."""
+
+
+# Ray actor classes of a run, by role (class names: upstream's and our subclasses, which append "Impl").
+_ACTOR_ROLES = (
+    ("RolloutRayActor", "vLLM engine"),
+    ("PolicyModelActor", "DeepSpeed policy (actor) model rank"),
+    ("ReferenceModelActor", "reference model rank"),
+    ("CriticModelActor", "critic model rank"),
+    ("RewardModelActor", "reward model rank"),
+    ("GenerateSamplesActor", "async rollout generator"),
+    ("TrainingActor", "async training controller"),
+    ("PPOTrainer", "PPO controller"),
+)
+
+
+def dead_actor(exc: BaseException):
+    """The ``RayActorError`` (actor died or unreachable) at the root of ``exc``, or None.
+
+    Ray wraps a dead actor's error in one ``RayTaskError`` per caller it passes through (engine ->
+    generator -> controller -> driver); the innermost, non-task error describes the actor that died.
+    """
+    import ray
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ray.exceptions.RayActorError) and not isinstance(exc, ray.exceptions.RayTaskError):
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+def actor_died_message(err, args) -> str:
+    """What the user reads when an actor of the run died: which one, why (Ray's words), and what to do."""
+    text = str(getattr(err, "error_msg", None) or err)
+    cls = re.search(r"class_name: (\S+)", text)
+    pid = re.search(r"\bpid: (\d+)", text)
+    cls = cls.group(1) if cls else "unknown"
+    role = next((r for key, r in _ACTOR_ROLES if key in cls), "Ray actor")
+    why = re.search(r"The actor (?:is dead|died) because (.*?)(?: Some common causes|$)", text, re.S)
+    why = " ".join(why.group(1).split()) if why else " ".join(text.split())[:300]
+    logs = (
+        f"Ray's logs of every process are under {os.path.join(args.ray.temp_dir, 'session_latest', 'logs')}"
+        if args.ray.temp_dir and not (args.ray.address or os.environ.get("RAY_ADDRESS"))
+        else "pass --ray.temp_dir DIR to keep Ray's per-process logs"
+    )
+    return (
+        f"the {role} ({cls}, pid {pid.group(1) if pid else '?'}, Ray actor {getattr(err, 'actor_id', '?')}) died "
+        f"during the run: {why} The run stops here (fail fast): an engine or trainer cannot be replaced mid-run "
+        "(its in-flight rollouts are lost and a new one would not hold the trained weights). Find the cause in "
+        f"its output above (OOM killer, segfault, CUDA error; {logs}), then restart; to continue from the last "
+        "checkpoint pass --ckpt.load_enable (checkpoints are written every --ckpt.save_steps)."
+    )
+
+
 def train(args) -> None:
-    """Run upstream's Ray job with our classes."""
+    """Run upstream's Ray job with our classes.
+
+    Raises :class:`ActorDied` if an actor of the run (e.g. a vLLM engine) dies: Ray's own error reaches
+    the driver within seconds (Ray fails every pending call on a dead actor), and is re-raised here with
+    a message naming the actor and the way forward.
+    """
     from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
@@ -118,6 +185,11 @@ def train(args) -> None:
     init_ray(args)
     try:
         upstream.run_train(args, classes)
+    except Exception as e:
+        died = dead_actor(e)
+        if died is None:
+            raise
+        raise ActorDied(actor_died_message(died, args)) from e
     finally:
         import ray
 
@@ -133,7 +205,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(2)
     for notice in notices:
         print(f"[openrlhf-ess] {notice}")
-    train(args)
+    try:
+        train(args)
+    except ActorDied as e:
+        import traceback
+
+        traceback.print_exception(e.__cause__)  # Ray's own report, in full
+        print(f"openrlhf-ess: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

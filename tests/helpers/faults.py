@@ -1,0 +1,157 @@
+"""Fault injection for tests/test_faults.py: run the real CLI and track, then clean up, every process it starts.
+
+``run_cli_tracked`` is ``tests.helpers.e2e.run_cli`` plus process bookkeeping: while the CLI runs, the
+process tree under it (the driver, its private Ray instance, Ray's workers, vLLM's engine processes) is
+sampled every 0.2 s and remembered by (pid, start time). When the CLI has exited, or its time is up, any
+of those processes still alive is reported and then ended: SIGTERM, and SIGKILL after a grace period,
+by PID and only if the PID still belongs to the process recorded (same start time). Nothing is ever
+matched by name.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+from tests.helpers.e2e import REPO
+
+
+class _Tree:
+    """Every process seen under ``root`` so far: {pid: (create_time, command line)}."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.seen = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(0.2)
+
+    def sample(self):
+        try:
+            root = psutil.Process(self.root)
+            procs = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            try:
+                if p.pid not in self.seen:
+                    self.seen[p.pid] = (p.create_time(), " ".join(p.cmdline())[:200])
+            except psutil.Error:
+                pass
+
+    def alive(self):
+        """The recorded processes that still exist (same PID and same start time), as psutil objects."""
+        out = []
+        for pid, (created, _) in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
+
+
+def end_processes(procs, grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds, exactly these processes (psutil objects)."""
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, left = psutil.wait_procs(procs, timeout=grace)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=5)
+
+
+class TrackedRun:
+    """Result of :func:`run_cli_tracked`."""
+
+    def __init__(self, rc, log, seconds, timed_out, leftovers, n_processes):
+        self.rc, self.log, self.seconds, self.timed_out = rc, log, seconds, timed_out
+        self.leftovers = leftovers  # processes of this run still alive after it ended (then ended by us)
+        self.n_processes = n_processes
+
+
+def run_cli_tracked(args: list, run_dir: str, timeout: int = 600, env=None, settle: float = 20.0) -> TrackedRun:
+    """Run ``python -m openrlhf_ess.cli.train_ppo_ray ARGS`` with a time limit and leave no process behind.
+
+    ``settle``: seconds the run's processes get to exit by themselves after the CLI exits (Ray's
+    shutdown signals them asynchronously); whatever is still there after that is a leftover.
+    """
+    cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray"] + args
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": run_dir, **(env or {})}
+    log_path = os.path.join(run_dir, "log.txt")
+    t0 = time.time()
+    timed_out = False
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        with _Tree(proc.pid) as tree:
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                tree.sample()
+                end_processes([p for p in tree.alive()], grace=5)
+                rc = proc.wait()
+    seconds = time.time() - t0
+    deadline = time.time() + settle
+    while tree.alive() and time.time() < deadline:
+        time.sleep(0.5)
+    left = tree.alive()
+    leftovers = [f"{p.pid} {tree.seen[p.pid][1]}" for p in left]
+    end_processes(left)
+    with open(log_path) as f:
+        text = f.read()
+    return TrackedRun(rc, text, seconds, timed_out, leftovers, len(tree.seen))
+
+
+# A reward file for --reward.remote_url that kills the vLLM engine it runs in (upstream calls the reward
+# function inside the engine actor) on its N-th call, while other requests of the rollout are in flight:
+# SIGKILL of its own process, as the kernel's OOM killer or a crash in a native kernel would. Before dying
+# it writes the engine's PID to a file, so the test can check the run reported that process.
+KILL_ENGINE_REWARD = """
+import os
+import signal
+
+import torch
+
+_calls = 0
+
+
+def reward_func(queries, prompts, labels):
+    global _calls
+    _calls += 1
+    if _calls == {kill_at}:
+        with open({marker!r}, "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    rewards = torch.tensor([0.5] * len(queries))
+    return {{"rewards": rewards, "scores": rewards, "extra_logs": {{}}}}
+"""
+
+
+def write_kill_engine_reward(path: str, marker: str, kill_at: int = 3) -> str:
+    with open(path, "w") as f:
+        f.write(KILL_ENGINE_REWARD.format(kill_at=kill_at, marker=marker))
+    return path
