@@ -56,10 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vllm.sync_check_tol",
         type=float,
         default=0.5,
-        help="After every weight sync, compare the trainer's and each engine's log-probs on a fixed 32-token "
-        "canary sequence; stop the run if the mean |difference| exceeds this many nats (bf16 engines differ by "
-        "~0.01-0.1; an engine that did not load the weights by far more). 0 disables. Cost: one 32-token "
-        "forward on each side per sync. Metrics: sync/canary_mean_abs_diff, sync/canary_seconds.",
+        help="After every weight sync, compare per-tensor checksums (sum and sum of squares, fused names "
+        "matched) and the log-probs of a fixed 32-token canary between the trainer and each engine; stop the run, "
+        "naming the tensors, on a checksum mismatch or if the canary's mean |difference| exceeds this many nats "
+        "(bf16 engines differ by ~0.01-0.1; an engine that did not load the weights by far more). 0 disables "
+        "both. Cost: one pass over the weights and one 32-token forward on each side per sync. Metrics: "
+        "sync/checksum_tensors_compared, sync/checksum_seconds, sync/canary_mean_abs_diff, sync/canary_seconds.",
     )
     group.add_argument(
         "--reward.failure_policy",

@@ -244,13 +244,27 @@ def test_ray_job_submit(tiny_world, tmp_path):
 @pytest.mark.slow
 def test_corrupt_weight_sync_stops_the_run(tiny_world, tmp_path):
     """A sync that leaves the engine on wrong weights (injected: noise loaded instead of the weights) is
-    caught by the canary check at the first sync: the run fails fast with a message naming the flag."""
+    caught at the first sync: the run fails fast with a message naming the tensors and the flag."""
     run_dir = str(tmp_path)
     env = {"OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD": "1"}
     rc, log = run_cli(tiny_args(tiny_world, run_dir), run_dir, env=env, timeout=600)
     assert rc != 0
     assert "weight sync check failed after version 1" in log and "--vllm.sync_check_tol" in log
+    assert "qkv_proj.weight" in log  # which tensors differ
     assert "Global step 2" not in log  # stopped at the first sync, no training on garbage rollouts
+
+
+def test_weight_sync_difference_below_canary_tolerance_is_named(tiny_world, tmp_path):
+    """One element of one tensor off by 1e-3 after the sync (injected): far below what the canary's
+    log-prob tolerance can see, but the per-tensor checksums catch it and name the tensor."""
+    run_dir = str(tmp_path)
+    name = "model.layers.1.mlp.down_proj.weight"
+    env = {"OPENRLHF_ESS_FAULT_PERTURB_WEIGHT_LOAD": name}
+    flags = ["--ds.param_dtype", "fp32", "--vllm.dtype", "float32"]
+    rc, log = run_cli(tiny_args(tiny_world, run_dir) + flags, run_dir, env=env, timeout=600)
+    assert rc != 0, log[-3000:]
+    assert "weight sync check failed after version 1" in log
+    assert "1 of " in log and name in log, log[-3000:]
 
 
 FAILING_REWARD = """

@@ -5,10 +5,11 @@ process tree under it (the driver, its private Ray instance, Ray's workers, vLLM
 sampled every 0.2 s and remembered by (pid, start time). When the CLI has exited, or its time is up, any
 of those processes still alive is reported and then ended: SIGTERM, and SIGKILL after a grace period,
 by PID and only if the PID still belongs to the process recorded (same start time). Nothing is ever
-matched by name.
+matched by name. The run's --ray.temp_dir folder is removed afterwards.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,8 +88,9 @@ def end_processes(procs, grace: float = 10.0) -> None:
 class TrackedRun:
     """Result of :func:`run_cli_tracked`."""
 
-    def __init__(self, rc, log, seconds, timed_out, leftovers, n_processes):
+    def __init__(self, rc, log, seconds, ended_at, timed_out, leftovers, n_processes):
         self.rc, self.log, self.seconds, self.timed_out = rc, log, seconds, timed_out
+        self.ended_at = ended_at  # time.time() when the CLI process had exited
         self.leftovers = leftovers  # processes of this run still alive after it ended (then ended by us)
         self.n_processes = n_processes
 
@@ -114,16 +116,19 @@ def run_cli_tracked(args: list, run_dir: str, timeout: int = 600, env=None, sett
                 tree.sample()
                 end_processes([p for p in tree.alive()], grace=5)
                 rc = proc.wait()
-    seconds = time.time() - t0
+    ended_at = time.time()
+    seconds = ended_at - t0
     deadline = time.time() + settle
     while tree.alive() and time.time() < deadline:
         time.sleep(0.5)
     left = tree.alive()
     leftovers = [f"{p.pid} {tree.seen[p.pid][1]}" for p in left]
     end_processes(left)
+    if "--ray.temp_dir" in args:  # the private Ray instance's folder (sockets, logs) goes too
+        shutil.rmtree(args[args.index("--ray.temp_dir") + 1], ignore_errors=True)
     with open(log_path) as f:
         text = f.read()
-    return TrackedRun(rc, text, seconds, timed_out, leftovers, len(tree.seen))
+    return TrackedRun(rc, text, seconds, ended_at, timed_out, leftovers, len(tree.seen))
 
 
 # A reward file for --reward.remote_url that kills the vLLM engine it runs in (upstream calls the reward
@@ -132,6 +137,7 @@ def run_cli_tracked(args: list, run_dir: str, timeout: int = 600, env=None, sett
 # it writes the engine's PID to a file, so the test can check the run reported that process.
 KILL_ENGINE_REWARD = """
 import os
+import shutil
 import signal
 
 import torch

@@ -23,7 +23,7 @@ from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.config import RELOAD_BACKEND  # noqa: E402
 from openrlhf_ess.models import corrections  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
-from openrlhf_ess.trainer import ess_lr, prox  # noqa: E402
+from openrlhf_ess.trainer import ess_lr, prox, sync_check  # noqa: E402
 
 # (μ of the micro-batch in training_step, IS cap) for the off-policy k2 KL below.
 _K2_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("openrlhf_ess_k2_context")
@@ -107,15 +107,22 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             self._optimizer_steps_seen = self.actor.model.global_steps
 
     def _audit_weights(self):
-        """--algo.prox_audit_dir: the weights of the current version, as the engines received them."""
+        """--algo.prox_audit_dir: the weights of the current version, as the engines received them.
+
+        Every rank calls it (ZeRO-3 gathers the shards); rank 0 writes."""
         folder = self.args.algo.prox_audit_dir
-        if not folder or torch.distributed.get_rank() != 0:
+        if not folder:
             return
         from safetensors.torch import save_file
 
-        os.makedirs(folder, exist_ok=True)
-        state = {name: t.contiguous() for name, t in prox.cpu_state(self.actor.model.module).items()}
-        save_file(state, os.path.join(folder, f"weights_v{self.weight_version}.safetensors"))
+        module = self.actor.model.module
+        params = list(module.parameters())
+        with deepspeed.zero.GatheredParameters(params, enabled=self.args.ds.zero_stage == 3):
+            if torch.distributed.get_rank() != 0:
+                return
+            os.makedirs(folder, exist_ok=True)
+            state = {name: t.contiguous() for name, t in prox.cpu_state(module).items()}
+            save_file(state, os.path.join(folder, f"weights_v{self.weight_version}.safetensors"))
 
     def proximal_log_probs(self, current: torch.Tensor, versions: torch.Tensor, forward) -> torch.Tensor:
         """π_prox per token for snapshot/ewma modes; ``current`` is the forward with the live weights.
@@ -250,15 +257,18 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             logits = self.actor.model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device)).logits
         if was_training:
             self.actor.model.train()
+        params = list(self.actor.model.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=self.args.ds.zero_stage == 3):
+            ours_sums = sync_check.trainer_checksums(params) if torch.distributed.get_rank() == 0 else None
         if torch.distributed.get_rank() != 0:
             return
+        self._check_checksums(ours_sums, str(params[0][1].dtype))
         ours = logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
         theirs = ray.get([engine.prompt_log_probs.remote(ids[0].tolist()) for engine in self.vllm_engines])
         diffs = [(ours - torch.tensor(lp)).abs().mean().item() for lp in theirs]
-        self.sync_check_metrics = {
-            "sync/canary_mean_abs_diff": max(diffs),
-            "sync/canary_seconds": time.time() - t0,
-        }
+        self.sync_check_metrics.update(
+            {"sync/canary_mean_abs_diff": max(diffs), "sync/canary_seconds": time.time() - t0}
+        )
         if max(diffs) > self.args.vllm.sync_check_tol:
             bad = [i for i, d in enumerate(diffs) if d > self.args.vllm.sync_check_tol]
             raise RuntimeError(
@@ -267,6 +277,33 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
                 f"--vllm.sync_check_tol {self.args.vllm.sync_check_tol}. The engines are not generating with the "
                 f"trained weights (sync backend {self.args.vllm.sync_backend!r}): on machines without working NCCL "
                 "use --vllm.sync_backend reload; raise the tolerance only if engine and trainer dtypes differ a lot."
+            )
+
+    def _check_checksums(self, ours, dtype: str) -> None:
+        """Per-tensor check (rank 0): every engine's weight sums against the trainer's, by tensor name."""
+        t0 = time.time()
+        compared_all, notes = 0, []
+        for i, result in enumerate(ray.get([engine.weight_checksums.remote() for engine in self.vllm_engines])):
+            if result is None:
+                continue  # tensor-parallel engine: the canary alone checks it
+            engine_dtype, theirs = result
+            tol = sync_check.SAME_DTYPE_TOL if engine_dtype == dtype else sync_check.CAST_TOL
+            bad, compared = sync_check.mismatched(ours, theirs, tol)
+            compared_all += compared
+            if bad:
+                notes.append(
+                    f"engine {i}: {len(bad)} of {compared} tensors differ ({', '.join(bad[:5])}"
+                    f"{', ...' if len(bad) > 5 else ''})"
+                )
+        self.sync_check_metrics = {
+            "sync/checksum_tensors_compared": float(compared_all),
+            "sync/checksum_seconds": time.time() - t0,
+        }
+        if notes:
+            raise RuntimeError(
+                f"weight sync check failed after version {self.weight_version}: the engines do not hold the "
+                f"trained weights: {'; '.join(notes)}. Sync backend {self.args.vllm.sync_backend!r}: on machines "
+                "without working NCCL use --vllm.sync_backend reload; --vllm.sync_check_tol 0 disables the check."
             )
 
     def advance_version(self):

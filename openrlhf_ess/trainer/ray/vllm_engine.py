@@ -166,6 +166,12 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             final = output
         return [step[token].logprob for step, token in zip(final.prompt_logprobs[1:], token_ids[1:])]
 
+    async def weight_checksums(self):
+        """The engine's per-tensor checksums ``(dtype, {name: (Σx, Σx², n)})``, or None with tensor
+        parallelism (each worker holds shards; replicated and sharded tensors cannot be told apart)."""
+        results = await self.llm.collective_rpc("weight_checksums")
+        return results[0] if len(results) == 1 else None
+
     async def inflight_tokens(self) -> List[int]:
         """Output tokens streamed so far by each in-flight request (introspection for tests and logs)."""
         return [p.streamed for p in self._inflight.values()]

@@ -1,0 +1,66 @@
+"""Per-tensor checksums for the weight-sync check (issue: nothing fails silently).
+
+After a sync, the trainer and every engine each reduce every weight to (Σx, Σx², n) in float64. Both
+sums are additive over concatenation, so the engine's fused tensors (vLLM packs q/k/v into ``qkv_proj``
+and gate/up into ``gate_up_proj``) are compared with the sum of the trainer's parts, and zero padding
+(vLLM pads the vocabulary) changes neither. With the same dtype on both sides the sums agree to
+float64 rounding, so a tensor that differs by a single small update is caught and named — which the
+canary's log-prob tolerance cannot do. The canary stays: it checks the engine's numerics end to end.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+Checksum = Tuple[float, float, int]  # (Σx, Σx², numel)
+
+# HF parameter name -> the engine's fused parameter name (vLLM's packed modules for Llama/Qwen-style models)
+_FUSED = ((re.compile(r"\.(q|k|v)_proj\."), ".qkv_proj."), (re.compile(r"\.(gate|up)_proj\."), ".gate_up_proj."))
+
+SAME_DTYPE_TOL = 1e-9  # float64 sums of identical values, summed in a different order
+CAST_TOL = 1e-2  # the engine keeps another dtype than the trainer sent: rounding changes the sums
+
+
+def checksum(t: torch.Tensor) -> Checksum:
+    x = t.detach().to("cpu", torch.float64)
+    return (x.sum().item(), (x * x).sum().item(), x.numel())
+
+
+def engine_name(hf_name: str) -> str:
+    for pattern, fused in _FUSED:
+        hf_name = pattern.sub(fused, hf_name)
+    return hf_name
+
+
+def trainer_checksums(named: Iterable[Tuple[str, torch.Tensor]]) -> Dict[str, Checksum]:
+    """The trainer's checksums, summed into the engine's (fused) names."""
+    out: Dict[str, List[float]] = {}
+    for name, t in named:
+        s, ss, n = checksum(t)
+        acc = out.setdefault(engine_name(name), [0.0, 0.0, 0])
+        acc[0] += s
+        acc[1] += ss
+        acc[2] += n
+    return {k: (v[0], v[1], int(v[2])) for k, v in out.items()}
+
+
+def mismatched(trainer: Dict[str, Checksum], engine: Dict[str, Checksum], tol: float) -> Tuple[List[str], int]:
+    """Names whose sums differ beyond ``tol`` (relative), and how many names were compared.
+
+    Σx² is compared relative to itself; Σx relative to its bound √(n·Σx²) (Σx can be ~0). Names on one
+    side only (tied embeddings, buffers, layouts we do not know) are not compared.
+    """
+    bad, compared = [], 0
+    for name, (s, ss, n) in trainer.items():
+        if name not in engine:
+            continue
+        es, ess, _ = engine[name]
+        compared += 1
+        scale = math.sqrt(max(n * ss, 1e-30))
+        if abs(es - s) > tol * scale or abs(ess - ss) > tol * max(ss, 1e-30):
+            bad.append(name)
+    return bad, compared
