@@ -62,7 +62,7 @@ def write_prompts(path: str, n_short: int = 12, n_long: int = 4, long_chars: int
 # (upstream averages a reward function's extra_logs into train/<key>): whether the response has no text,
 # and whether the prompt reached the engine truncated. Prompts end in " =", so the response is what follows
 # the last " =" of the query; the query holds the prompt as the engine saw it, ``prompts`` the original.
-EDGE_REWARD = '''
+EDGE_REWARD = """
 import torch
 
 _SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -79,7 +79,7 @@ def reward_func(queries, prompts, labels):
         truncated.append(float(not query.startswith(prompt)))
     logs = {"edge_empty_response": torch.tensor(empty), "edge_prompt_truncated": torch.tensor(truncated)}
     return {"rewards": torch.tensor(rewards), "scores": torch.tensor(rewards), "extra_logs": logs}
-'''
+"""
 
 
 def write_edge_reward(path: str) -> str:

@@ -12,6 +12,17 @@ from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION
 
 
 class SamplesGenerator(_UpstreamSamplesGenerator):
+    @torch.no_grad()
+    def generate_samples(self, **generate_kwargs):
+        """Extends upstream's: a rollout batch in which every sample was dropped stops the run.
+
+        Samples are dropped one by one (below); if none is left, upstream's advantage normalisation and
+        token-mean loss divide by zero tokens, and the NaN update would silently corrupt the weights.
+        """
+        rollout_samples, *rest = super().generate_samples(**generate_kwargs)
+        check_not_all_dropped(rollout_samples)
+        return (rollout_samples, *rest)
+
     def _process_response_into_experience(self, response, **generate_kwargs):
         """Extends upstream's conversion of one engine response.
 
@@ -52,6 +63,23 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
                 experience.action_mask = torch.zeros_like(experience.action_mask)
             experience.info["rollout_logprob_nonfinite"] = torch.tensor([float(nonfinite)])
         return experience
+
+
+def check_not_all_dropped(rollout_samples) -> None:
+    """Raise if a non-empty rollout batch has no response token left in the loss (every sample dropped)."""
+    if not rollout_samples or any(bool(s.action_mask.any()) for s in rollout_samples):
+        return
+
+    def count(key):
+        return int(sum(float(s.info[key].sum()) for s in rollout_samples if key in s.info))
+
+    raise RuntimeError(
+        f"every one of the {len(rollout_samples)} samples of this rollout batch was dropped from the loss "
+        f"({count('reward_failed')} failed rewards under --reward.failure_policy drop, "
+        f"{count('rollout_logprob_nonfinite')} with non-finite rollout log-probs from the engine); an update "
+        "without a single response token would be NaN (means over zero tokens: 0/0) and corrupt the weights. "
+        "Fix the reward function or the engine; --reward.failure_policy stop stops at the first failed reward."
+    )
 
 
 def _finite_number(value) -> bool:
