@@ -74,6 +74,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "off = upstream behaviour (a None reward crashes later with an unrelated error; NaN trains on NaN).",
     )
     group.add_argument(
+        "--algo.nonfinite_logprobs",
+        type=str,
+        default="drop",
+        choices=["drop", "stop"],
+        help="A sample whose log-probs are NaN/inf on a response token, from the engine (mu) or from the actor's "
+        "forward (pi_prox): drop = mask the whole sample out of the loss and count it (metrics "
+        "rollout_logprob_nonfinite, actor_logprob_nonfinite); stop = end the run. Applies when our controllers "
+        "run (any of our off-policy flags). A version's missing pi_prox in the exact modes follows "
+        "--algo.prox_missing instead.",
+    )
+    group.add_argument(
         "--ray.address",
         type=str,
         default=None,
@@ -316,6 +327,12 @@ def validate(args: types.SimpleNamespace) -> List[str]:
     if args.vllm.sync_check_tol < 0:
         raise ConfigError(
             f"--vllm.sync_check_tol must be >= 0 (0 disables the check), got {args.vllm.sync_check_tol}."
+        )
+    if args.rollout.max_new_tokens is not None and args.rollout.max_new_tokens >= args.data.max_len:
+        raise ConfigError(
+            f"--rollout.max_new_tokens {args.rollout.max_new_tokens} leaves no room for the prompt within "
+            f"--data.max_len {args.data.max_len} (upstream keeps the last max_len - max_new_tokens prompt tokens): "
+            "raise --data.max_len or lower --rollout.max_new_tokens."
         )
     if args.vllm.cpu_kv_cache_gb <= 0:
         raise ConfigError(f"--vllm.cpu_kv_cache_gb must be > 0, got {args.vllm.cpu_kv_cache_gb}.")

@@ -153,7 +153,7 @@ def test_a_rollout_with_every_sample_dropped_stops_the_run():
 # ---------------------------------------------------------------- 3. NaN/inf in the actor's own log-probs
 
 
-def _maker(prox_mode="recompute", tis_cap=2.0):
+def _maker(prox_mode="recompute", tis_cap=2.0, nonfinite="drop"):
     """Our experience maker's post-processing on real tensors: upstream's make_experience (the Ray forward
     dispatch) is replaced by one that returns the experiences as the actor's forward would have filled them."""
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as Upstream
@@ -169,6 +169,7 @@ def _maker(prox_mode="recompute", tis_cap=2.0):
 
     upstream = Upstream.__new__(Upstream)
     algo = dict(max_version_lag=None, prox_mode=prox_mode, prox_missing="mask", prox_snapshots=4)
+    algo["nonfinite_logprobs"] = nonfinite
     upstream.args = SimpleNamespace(
         algo=SimpleNamespace(tis_cap=tis_cap, tis_level="token", prox_audit_dir=None, **algo)
     )
@@ -237,23 +238,6 @@ def test_upstream_loss_with_a_nonfinite_policy_logprob_has_nan_gradients(bad_val
     assert math.isfinite(loss.item()) == (bad_value == float("-inf"))
 
 
-def test_actor_nan_logprob_never_reaches_the_loss_today():
-    """Our experience maker (any of our flags on) keeps a NaN pi_prox out of the loss today: the token is
-    masked and set to 0, so the loss and its gradients stay finite (but nothing counts it in recompute mode)."""
-    maker = _maker()
-    good, bad = maker.make_experience([_experience(GOOD), _experience([-1.0, float("nan"), -0.9, -1.0])])
-    assert not bad.action_mask[0, 1] and good.action_mask.all()
-    assert torch.isfinite(bad.action_log_probs).all()
-    for adv in (1.0, -1.0):
-        loss, grad, _, _ = _loss_and_grad(bad, adv)
-        assert torch.isfinite(loss) and torch.isfinite(grad).all()
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the experience_maker.py change in docs/faults.md (3): an actor-side NaN/inf is masked "
-    "without a count in recompute mode, -inf becomes -3.4e38 and stays in the mask",
-)
 @pytest.mark.parametrize("bad_value", [float("nan"), float("-inf"), float("inf")])
 def test_actor_nonfinite_logprob_drops_the_sample_and_counts_it(bad_value):
     """Wanted (the policy the engine side already has, shared by all prox modes): a sample whose pi_prox is
@@ -266,3 +250,33 @@ def test_actor_nonfinite_logprob_drops_the_sample_and_counts_it(bad_value):
     assert maker.last_metrics.get("actor_logprob_nonfinite") == 1
     # the healthy sample alone: pi_prox - mu is at most 0.1 in magnitude
     assert abs(maker.last_metrics["mismatch/k1"]) < 0.1 and maker.last_metrics["mismatch/max_abs_log_ratio"] < 0.11
+
+
+def test_actor_nonfinite_logprob_stops_the_run_when_asked():
+    maker = _maker(nonfinite="stop")
+    with pytest.raises(RuntimeError, match="--algo.nonfinite_logprobs drop"):
+        maker.make_experience([_experience(GOOD), _experience([-1.0, float("inf"), -0.9, -1.0])])
+
+
+def test_stale_nan_in_exact_modes_is_a_missing_version_not_an_actor_fault():
+    """snapshot mode marks a token whose version has no weights with NaN: masked and counted as missing
+    (prox/masked_missing_tokens), the rest of the sample kept; a current-version NaN drops the sample."""
+    maker = _maker(prox_mode="snapshot")
+    stale = _experience([-1.0, float("nan"), -0.9, -1.0])
+    stale.rollout_versions = torch.tensor([[1, 0, 1, 1]])  # token 1 is one version behind
+    maker.weight_version = 1
+    (out,) = maker.make_experience([stale])
+    assert out.action_mask.tolist() == [[True, False, True, True]]
+    assert maker.last_metrics["prox/masked_missing_tokens"] == 1 and maker.last_metrics["actor_logprob_nonfinite"] == 0
+    current = _experience([-1.0, float("nan"), -0.9, -1.0])
+    current.rollout_versions = torch.ones(1, 4, dtype=torch.long)
+    healthy = _experience(GOOD)
+    healthy.rollout_versions = torch.ones(1, 4, dtype=torch.long)
+    out, _ = maker.make_experience([current, healthy])
+    assert not out.action_mask.any() and maker.last_metrics["actor_logprob_nonfinite"] == 1
+
+
+def test_a_batch_whose_every_sample_the_actor_scored_nonfinite_stops():
+    maker = _maker()
+    with pytest.raises(RuntimeError, match="every sample of this rollout batch"):
+        maker.make_experience([_experience([float("nan"), -1.0, -0.9, -1.0])])

@@ -135,7 +135,9 @@ def test_nonfinite_mu_sample_is_masked_and_counted():
     from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator
 
     gen = SamplesGenerator.__new__(SamplesGenerator)
-    gen.args = SimpleNamespace(reward=SimpleNamespace(failure_policy="off"))
+    gen.args = SimpleNamespace(
+        reward=SimpleNamespace(failure_policy="off"), algo=SimpleNamespace(nonfinite_logprobs="drop")
+    )
     response = {
         "observation_tokens": [5, 6, 7, 8, 9],
         "action_ranges": [(2, 5)],

@@ -61,3 +61,8 @@ def test_cast_tolerance_accepts_bf16_rounding_but_not_noise():
 def test_names_on_one_side_only_are_not_compared():
     ours = {"lm_head.weight": (1.0, 1.0, 1)}
     assert sync_check.mismatched(ours, {"other": (5.0, 5.0, 1)}, 1e-9) == ([], 0)
+
+
+def test_nan_weights_are_a_mismatch():
+    ours = {"w": (1.0, 2.0, 4)}
+    assert sync_check.mismatched(ours, {"w": (float("nan"), float("nan"), 4)}, 1e-2)[0] == ["w"]

@@ -61,6 +61,7 @@ def mismatched(trainer: Dict[str, Checksum], engine: Dict[str, Checksum], tol: f
         es, ess, _ = engine[name]
         compared += 1
         scale = math.sqrt(max(n * ss, 1e-30))
-        if abs(es - s) > tol * scale or abs(ess - ss) > tol * max(ss, 1e-30):
+        # written as "not within" so that NaN sums (NaN weights on either side) count as a mismatch
+        if not (abs(es - s) <= tol * scale and abs(ess - ss) <= tol * max(ss, 1e-30)):
             bad.append(name)
     return bad, compared

@@ -67,7 +67,8 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         max_lag = algo.max_version_lag
         lags, masks, prox, mu, tis = [], [], [], [], []
         stale = torch.zeros((), dtype=torch.float64)
-        prox_missing = 0
+        prox_missing = actor_nonfinite = 0
+        exact = algo.prox_mode in ("snapshot", "interrupt", "dedicated")
         for exp in experiences:
             if self.prox_store is not None:
                 fill_prox_from_store(exp, self.prox_store, self.consumed, self.weight_version)
@@ -80,6 +81,19 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                 tagged = exp.rollout_versions != NO_VERSION
                 interpolated = corrections.loglinear_prox_log_probs(exp.rollout_log_probs, exp.action_log_probs, lag)
                 exp.action_log_probs = torch.where(tagged, interpolated, exp.action_log_probs)
+            # NaN on a stale token is the exact modes' "no weights of that version" marker (below); any other
+            # non-finite pi_prox is the actor's fault: the whole sample leaves the loss, as on the engine side
+            bad_rows = nonfinite_rows(exp.action_log_probs, exp.action_mask, lag if exact else None)
+            if bad_rows.any():
+                if algo.nonfinite_logprobs == "stop":
+                    raise RuntimeError(
+                        f"the actor's log-probs (pi_prox) are NaN/inf on response tokens of {int(bad_rows.sum())} "
+                        f"samples at weight version {self.weight_version}: the weights or the forward's numerics "
+                        "diverged. Lower the LR, check --ds.param_dtype, or resume from the last checkpoint; "
+                        "--algo.nonfinite_logprobs drop trains on without those samples."
+                    )
+                actor_nonfinite += int(bad_rows.sum())
+                exp.action_mask = exp.action_mask & ~bad_rows[:, None]
             missing = torch.isnan(exp.action_log_probs) & exp.action_mask.bool()
             if missing.any():  # exact modes: no weights of that version (never scored with other weights)
                 if algo.prox_missing == "error":
@@ -94,9 +108,11 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                     )
                 prox_missing += int(missing.sum())
                 exp.action_mask = exp.action_mask & ~missing
-                if exp.kl is not None:  # upstream's KL-in-reward saw the NaN too; those tokens are masked now
-                    exp.kl = torch.nan_to_num(exp.kl, nan=0.0)
-            exp.action_log_probs = torch.nan_to_num(exp.action_log_probs, nan=0.0)
+            if exp.kl is not None:  # upstream's KL-in-reward saw the non-finite values too; masked now
+                exp.kl = torch.where(torch.isfinite(exp.kl), exp.kl, torch.zeros_like(exp.kl))
+            # not nan_to_num: it would keep ±inf as ±3.4e38
+            finite = torch.isfinite(exp.action_log_probs)
+            exp.action_log_probs = torch.where(finite, exp.action_log_probs, torch.zeros_like(exp.action_log_probs))
             if exp.rollout_log_probs is not None:
                 mask = exp.action_mask.bool()
                 masks.append(mask.flatten())
@@ -107,9 +123,17 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                         exp.action_log_probs, exp.rollout_log_probs, mask, algo.tis_cap, algo.tis_level
                     )
                     tis.append(w[mask])
+        if not any(bool(exp.action_mask.any()) for exp in experiences):
+            raise RuntimeError(
+                f"every sample of this rollout batch left the loss ({actor_nonfinite} with non-finite actor "
+                f"log-probs, {prox_missing} tokens without their version's pi_prox, "
+                f"{int(stale.item())} tokens beyond --algo.max_version_lag); an update over zero tokens is NaN "
+                "(0/0) and would corrupt the weights."
+            )
         if algo.prox_audit_dir:
             write_audit_batch(algo.prox_audit_dir, self.weight_version, experiences)
         self.last_metrics = rollout_metrics(torch.cat(lags), stale, prox, mu, masks)
+        self.last_metrics["actor_logprob_nonfinite"] = float(actor_nonfinite)
         if algo.prox_mode != "recompute":
             self.last_metrics["prox/masked_missing_tokens"] = float(prox_missing)
         if tis:
@@ -124,6 +148,15 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                 }
             )
         return experiences
+
+
+def nonfinite_rows(log_probs: torch.Tensor, action_mask: torch.Tensor, lag) -> torch.Tensor:
+    """(B,) rows with a NaN/inf log-prob on a response token, not counting NaN on stale tokens (lag > 0) when
+    ``lag`` is given (the exact modes mark a version with no weights that way)."""
+    bad = ~torch.isfinite(log_probs) & action_mask.bool()
+    if lag is not None:
+        bad &= ~(torch.isnan(log_probs) & (lag > 0))
+    return bad.any(-1)
 
 
 def fill_prox_from_store(exp, store, consumed, version: int) -> None:

@@ -32,7 +32,8 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         - With --reward.failure_policy, a sample whose reward is None (the reward function raised) or not
           finite either stops the run or is masked out with reward 0, counted in ``info["reward_failed"]``.
         - A sample whose μ is NaN or ±inf on a sampled token is masked out (action_mask = 0, μ set to 0
-          so nothing non-finite reaches the loss) and counted in ``info["rollout_logprob_nonfinite"]``.
+          so nothing non-finite reaches the loss) and counted in ``info["rollout_logprob_nonfinite"]``, or
+          stops the run with --algo.nonfinite_logprobs stop.
         """
         reward = response.get("reward")
         policy = self.args.reward.failure_policy
@@ -58,6 +59,12 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         if mu is not None:
             bad = ~torch.isfinite(mu) & experience.action_mask.bool()
             nonfinite = bool(bad.any())
+            if nonfinite and self.args.algo.nonfinite_logprobs == "stop":
+                raise RuntimeError(
+                    f"the vLLM engine returned NaN/inf sampled-token log-probs (mu) for prompt "
+                    f"{response.get('prompt')!r}: check the engine's dtype (--vllm.dtype) and weights; "
+                    "--algo.nonfinite_logprobs drop trains on without such samples."
+                )
             if nonfinite:
                 experience.rollout_log_probs = torch.where(torch.isfinite(mu), mu, torch.zeros_like(mu))
                 experience.action_mask = torch.zeros_like(experience.action_mask)

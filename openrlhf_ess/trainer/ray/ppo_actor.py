@@ -10,6 +10,7 @@ from openrlhf_ess import cpu_compat
 cpu_compat.apply()
 
 import contextvars  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import time  # noqa: E402
 
@@ -269,8 +270,9 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         self.sync_check_metrics.update(
             {"sync/canary_mean_abs_diff": max(diffs), "sync/canary_seconds": time.time() - t0}
         )
-        if max(diffs) > self.args.vllm.sync_check_tol:
-            bad = [i for i, d in enumerate(diffs) if d > self.args.vllm.sync_check_tol]
+        # NaN compares False with everything: a NaN diff (NaN weights on either side) must fail too
+        bad = [i for i, d in enumerate(diffs) if not (math.isfinite(d) and d <= self.args.vllm.sync_check_tol)]
+        if bad:
             raise RuntimeError(
                 f"weight sync check failed after version {self.weight_version}: vLLM engine(s) {bad} give canary "
                 f"log-probs {max(diffs):.3f} nats (mean |diff|) away from the trainer's, above "
