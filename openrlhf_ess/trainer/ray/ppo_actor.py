@@ -99,7 +99,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
 
     def checkpoint_state(self) -> dict:
         """What a restart needs to continue exactly: the PPO-EWMA average (snapshots need nothing: the
-        rollouts in flight at a restart are regenerated, and versions restart consistently at 0)."""
+        rollouts in flight at a checkpoint do not survive a restart, and versions restart consistently at 0)."""
         return {"ewma": self.ewma.state_dict()} if self.ewma is not None else {}
 
     def load_checkpoint_state(self, state: dict) -> None:
