@@ -36,6 +36,7 @@ GROUPS = {
         "TIS token": ["--algo.tis_cap", "2"],
         "TIS seq": ["--algo.tis_cap", "2", "--algo.tis_level", "seq"],
     },
+    "sync check": {"check off": ["--vllm.sync_check_tol", "0"], "check on (default)": []},
     "sync + KL loss": {"off": KL, "k2 KL": KL + ["--algo.kl.off_policy_k2_enable"]},
     "async + partial": {
         "off (recompute)": ASYNC,
@@ -46,12 +47,13 @@ GROUPS = {
         "loglinear": ASYNC + ["--algo.prox_mode", "loglinear"],
     },
 }
-TIMINGS = ("timing/ppo_train", "timing/make_experience", "timing/generation", "timing/broadcast")
+TIMINGS = ("timing/ppo_train", "timing/make_experience", "timing/generation", "timing/broadcast", "timing/step_total")
 # What a π_prox mode or the sync check reports as its own cost (seconds per step), summed into one column.
 OWN_COST = (
     "prox/extra_forward_seconds",
     "prox/sync_score_seconds",
     "prox/dedicated_load_seconds",
+    "sync/checksum_seconds",
     "sync/canary_seconds",
 )
 
@@ -162,15 +164,17 @@ def write_report(results, path: str, prompts: int) -> None:
             f"## {group}",
             "",
             "| config | ppo_train s/step | ratio | make_experience s/step | ratio |"
-            " generation s/step | broadcast s/step | own cost s/step | peak RSS GB | ratio |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            " generation s/step | broadcast s/step | step total s | own cost s/step | own / total |"
+            " peak RSS GB | ratio |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in runs.items():
             lines.append(
                 f"| {name} | {r['timing/ppo_train']:.4f} | {r['timing/ppo_train'] / base['timing/ppo_train']:.3f} "
                 f"| {r['timing/make_experience']:.4f} | "
                 f"{r['timing/make_experience'] / base['timing/make_experience']:.3f} | "
-                f"{r['timing/generation']:.3f} | {r['timing/broadcast']:.3f} | {r.get('own_cost', 0.0):.4f} | "
+                f"{r['timing/generation']:.3f} | {r['timing/broadcast']:.3f} | {r['timing/step_total']:.3f} | "
+                f"{r.get('own_cost', 0.0):.4f} | {r.get('own_cost', 0.0) / r['timing/step_total']:.1%} | "
                 f"{r['peak_rss_gb']:.2f} | "
                 f"{r['peak_rss_gb'] / base['peak_rss_gb']:.3f} |"
             )
