@@ -64,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sync/checksum_tensors_compared, sync/checksum_seconds, sync/canary_mean_abs_diff, sync/canary_seconds.",
     )
     group.add_argument(
+        "--vllm.sync_check_canary_every",
+        type=int,
+        default=10,
+        help="Run the sync check's canary (a log-prob comparison through the engine, which checks its numerics "
+        "end to end) at the first sync and then every N syncs; the per-tensor checksums run at every sync. "
+        "1 = every sync (costs one engine request per sync).",
+    )
+    group.add_argument(
         "--reward.failure_policy",
         type=str,
         default="off",
@@ -333,6 +341,11 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             f"--rollout.max_new_tokens {args.rollout.max_new_tokens} leaves no room for the prompt within "
             f"--data.max_len {args.data.max_len} (upstream keeps the last max_len - max_new_tokens prompt tokens): "
             "raise --data.max_len or lower --rollout.max_new_tokens."
+        )
+    if args.vllm.sync_check_canary_every < 1:
+        raise ConfigError(
+            f"--vllm.sync_check_canary_every must be >= 1, got {args.vllm.sync_check_canary_every} "
+            "(--vllm.sync_check_tol 0 disables the whole check)."
         )
     if args.vllm.cpu_kv_cache_gb <= 0:
         raise ConfigError(f"--vllm.cpu_kv_cache_gb must be > 0, got {args.vllm.cpu_kv_cache_gb}.")

@@ -66,7 +66,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         elif algo.prox_mode == "ewma":
             self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
         self._audit_weights()
-        self.sync_check_metrics, self._sync_to_check = {}, False
+        self.sync_check_metrics, self._sync_to_check, self._syncs_checked = {}, False, 0
         self.lr_scale_hook = None
         if self.args.algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
@@ -241,12 +241,24 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         self._sync_to_check = self.args.vllm.sync_check_tol > 0
 
     def check_sync(self):
-        """Compare the trainer's and every engine's log-probs on a fixed canary after a weight sync.
+        """Compare the trainer's and every engine's weights (per-tensor checksums, every sync) and log-probs
+        on a fixed canary (the first sync, then every --vllm.sync_check_canary_every syncs).
 
         Runs at the start of the training step after the sync (all ranks), so the last sync of a run
-        is not checked. All ranks run the forward (ZeRO-3 gathers), rank 0 compares. A mean |Δ| above
-        --vllm.sync_check_tol stops the run: training on rollouts from wrong weights fails silently.
+        is not checked. All ranks take part (ZeRO-3 gathers), rank 0 compares. A mismatch stops the run:
+        training on rollouts from wrong weights fails silently.
         """
+        canary = self._syncs_checked % self.args.vllm.sync_check_canary_every == 0
+        self._syncs_checked += 1
+        params = list(self.actor.model.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=self.args.ds.zero_stage == 3):
+            ours_sums = sync_check.trainer_checksums(params) if torch.distributed.get_rank() == 0 else None
+        if torch.distributed.get_rank() == 0:
+            self._check_checksums(ours_sums, str(params[0][1].dtype))
+        if canary:
+            self._check_canary()
+
+    def _check_canary(self):
         t0 = time.time()
         vocab = self.actor.model.module.config.vocab_size
         g = torch.Generator().manual_seed(1234)
@@ -258,12 +270,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             logits = self.actor.model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device)).logits
         if was_training:
             self.actor.model.train()
-        params = list(self.actor.model.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=self.args.ds.zero_stage == 3):
-            ours_sums = sync_check.trainer_checksums(params) if torch.distributed.get_rank() == 0 else None
         if torch.distributed.get_rank() != 0:
             return
-        self._check_checksums(ours_sums, str(params[0][1].dtype))
         ours = logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
         theirs = ray.get([engine.prompt_log_probs.remote(ids[0].tolist()) for engine in self.vllm_engines])
         diffs = [(ours - torch.tensor(lp)).abs().mean().item() for lp in theirs]
