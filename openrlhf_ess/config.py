@@ -57,11 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.5,
         help="After every weight sync, compare per-tensor checksums (sum and sum of squares, fused names "
-        "matched) and the log-probs of a fixed 32-token canary between the trainer and each engine; stop the run, "
-        "naming the tensors, on a checksum mismatch or if the canary's mean |difference| exceeds this many nats "
-        "(bf16 engines differ by ~0.01-0.1; an engine that did not load the weights by far more). 0 disables "
-        "both. Cost: one pass over the weights and one 32-token forward on each side per sync. Metrics: "
-        "sync/checksum_tensors_compared, sync/checksum_seconds, sync/canary_mean_abs_diff, sync/canary_seconds.",
+        "matched) between the trainer and each engine, and (see --vllm.sync_check_canary_every) the log-probs of "
+        "a fixed 32-token canary; stop the run, naming the tensors, on a checksum mismatch or if the canary's "
+        "mean |difference| exceeds this many nats (bf16 engines differ by ~0.01-0.1; an engine that did not load "
+        "the weights by far more). 0 disables both. Cost: one pass over the weights per sync, one 32-token "
+        "forward on each side per canary. Metrics: sync/checksum_tensors_compared, sync/checksum_seconds, "
+        "sync/canary_mean_abs_diff, sync/canary_seconds.",
     )
     group.add_argument(
         "--vllm.sync_check_canary_every",
