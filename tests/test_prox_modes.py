@@ -138,8 +138,10 @@ def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_pa
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=24)
-    for flag, value in (("--rollout.max_new_tokens", "48"), ("--data.max_len", "96")):
-        args[args.index(flag) + 1] = value  # longer responses: more of them span a weight sync
+    for flag, value in (("--rollout.max_new_tokens", "160"), ("--data.max_len", "192")):
+        # long responses: generating a batch takes longer than training on the previous one, so responses
+        # in flight span the weight sync whatever the machine's load (48 tokens was not always enough)
+        args[args.index(flag) + 1] = value
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--ds.param_dtype", "fp32"]
     flags += ["--vllm.dtype", "float32", "--algo.prox_mode", mode, "--algo.prox_audit_dir", audit]
     if mode == "snapshot":
