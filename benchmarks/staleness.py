@@ -43,6 +43,10 @@ CORRECTIONS: Dict[str, List[str]] = {
     "TIS + snapshot + ESS-LR": TIS + SNAPSHOT + ["--algo.ess_lr_enable"],
     "TIS + EWMA": TIS + ["--algo.prox_mode", "ewma"],
 }
+# Not in the default grid (choose with --corrections): ESS-LR over recompute's π_prox = π_V, whose weights
+# π_V/μ carry the staleness (with an exact π_prox they carry only the engine mismatch).
+EXTRA_CORRECTIONS: Dict[str, List[str]] = {"TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"]}
+ALL_CORRECTIONS = {**CORRECTIONS, **EXTRA_CORRECTIONS}
 STALENESS: Dict[str, List[str]] = {
     "sync": [],
     "async q1 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "1"],
@@ -185,7 +189,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64, help="prompts per episode (8 per step)")
     parser.add_argument("--episodes", type=int, default=6, help="passes over the prompts (8 steps each by default)")
     parser.add_argument("--staleness", nargs="*", default=list(STALENESS), help=f"subset of {list(STALENESS)}")
-    parser.add_argument("--corrections", nargs="*", default=list(CORRECTIONS), help=f"subset of {list(CORRECTIONS)}")
+    parser.add_argument(
+        "--corrections", nargs="*", default=list(CORRECTIONS), help=f"subset of {list(ALL_CORRECTIONS)}"
+    )
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "staleness"))
     parser.add_argument("--workdir", default=None, help="where runs are written (default: a new temp dir)")
     parser.add_argument(
@@ -197,8 +203,8 @@ def main() -> None:
         if level not in STALENESS:
             parser.error(f"--staleness {level!r}: choose from {list(STALENESS)}")
     for name in a.corrections:
-        if name not in CORRECTIONS:
-            parser.error(f"--corrections {name!r}: choose from {list(CORRECTIONS)}")
+        if name not in ALL_CORRECTIONS:
+            parser.error(f"--corrections {name!r}: choose from {list(ALL_CORRECTIONS)}")
     check_model_arguments(parser, a)
 
     if a.from_json:
@@ -224,7 +230,7 @@ def main() -> None:
             run_dir = os.path.join(root, f"{level}_{name}_s{seed}".replace(" ", "_").replace("+", "p"))
             os.makedirs(run_dir, exist_ok=True)
             t0 = time.time()
-            curves = run_once(a, world, STALENESS[level] + CORRECTIONS[name], run_dir, seed=42 + seed)
+            curves = run_once(a, world, STALENESS[level] + ALL_CORRECTIONS[name], run_dir, seed=42 + seed)
             results.setdefault(key, []).append(curves)
             done += 1
             eta = (time.time() - t_start) / done * (total - done)

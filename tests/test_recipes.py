@@ -69,8 +69,8 @@ def _benchmark_configs():
     for group, configs in overhead.GROUPS.items():
         for name, flags in configs.items():
             yield f"overhead/{group}/{name}", flags
-    for level, name in staleness.grid(list(staleness.STALENESS), list(staleness.CORRECTIONS)):
-        yield f"staleness/{level}/{name}", staleness.STALENESS[level] + staleness.CORRECTIONS[name]
+    for level, name in staleness.grid(list(staleness.STALENESS), list(staleness.ALL_CORRECTIONS)):
+        yield f"staleness/{level}/{name}", staleness.STALENESS[level] + staleness.ALL_CORRECTIONS[name]
 
 
 @pytest.mark.parametrize("name, flags", list(_benchmark_configs()), ids=lambda x: x if isinstance(x, str) else "")
