@@ -244,8 +244,9 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         type=str,
         default="mask",
         choices=["mask", "error"],
-        help="snapshot mode: a token whose version is no longer kept is masked out and counted (mask) or "
-        "stops the run (error). It is never scored with other weights.",
+        help="exact modes (snapshot, interrupt, dedicated): a stale token with no score from its version's "
+        "weights (snapshot evicted, stream not reported at the sync) is masked out and counted (mask) or stops the "
+        "run (error). It is never scored with other weights.",
     )
     group.add_argument(
         "--algo.prox_audit_dir",
