@@ -180,8 +180,13 @@ def write_report(results, path: str, prompts: int) -> None:
             )
         lines.append("")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    kept = ""  # the hand-written reading (from "## Reading" on) survives a rerun; update it by hand
+    if os.path.exists(path):
+        text = open(path).read()
+        if "\n## Reading" in text:
+            kept = text[text.index("\n## Reading") :]
     with open(path, "w") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(lines) + kept)
 
 
 if __name__ == "__main__":
