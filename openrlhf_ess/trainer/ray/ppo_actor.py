@@ -293,7 +293,13 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         """Per-tensor check (rank 0): every engine's weight sums against the trainer's, by tensor name."""
         t0 = time.time()
         compared_all, notes = 0, []
-        for i, result in enumerate(ray.get([engine.weight_checksums.remote() for engine in self.vllm_engines])):
+        loaded, self._loaded_engine_checksums = getattr(self, "_loaded_engine_checksums", None), None
+        if loaded is not None:  # reload backend: taken by the engines right after the load, while idle
+            results, engine_seconds = [r for r, _ in loaded], sum(sec for _, sec in loaded)
+        else:  # other backends: ask the engines now
+            results = ray.get([engine.weight_checksums.remote() for engine in self.vllm_engines])
+            engine_seconds = 0.0
+        for i, result in enumerate(results):
             if result is None:
                 continue  # tensor-parallel engine: the canary alone checks it
             engine_dtype, theirs = result
@@ -307,7 +313,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
                 )
         self.sync_check_metrics = {
             "sync/checksum_tensors_compared": float(compared_all),
-            "sync/checksum_seconds": time.time() - t0,
+            "sync/checksum_seconds": time.time() - t0 + engine_seconds,
         }
         if notes:
             raise RuntimeError(
@@ -334,7 +340,12 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         """
         blob = self.weights_blob()
         if blob is not None:
-            ray.get([engine.load_weights_from_safetensors.remote(blob) for engine in self.vllm_engines])
+            checks = self.args.vllm.sync_check_tol > 0
+            loaded = ray.get(
+                [engine.load_weights_from_safetensors.remote(blob, checks) for engine in self.vllm_engines]
+            )
+            if checks:  # the engines' checksums right after the load, for the check at the next step
+                self._loaded_engine_checksums = [(r["checksums"], r["checksum_seconds"]) for r in loaded]
         torch_dist_barrier_and_cuda_sync()
 
     def weights_blob(self):

@@ -219,15 +219,21 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             sampling_params.logprobs = 1
         return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
 
-    async def load_weights_from_safetensors(self, blob: bytes) -> None:
+    async def load_weights_from_safetensors(self, blob: bytes, with_checksums: bool = False) -> Dict[str, Any]:
         """Load a full set of weights (safetensors bytes) into every worker, then drop the prefix cache.
 
         The prefix cache holds KV computed by the old weights; reusing it would make the new
-        policy's log-probs wrong, so it is always reset here.
+        policy's log-probs wrong, so it is always reset here. Returns the per-worker tensor counts and
+        the engine's weight checksums taken right after the load, while the engine is idle (the sync
+        check compares them at the next step without another engine request).
         """
+        import time
+
         counts = await self.llm.collective_rpc("load_weights_from_safetensors", args=(blob,))
         await self.llm.reset_prefix_cache()
-        return counts
+        t0 = time.time()
+        checksums = await self.weight_checksums() if with_checksums else None
+        return {"counts": counts, "checksums": checksums, "checksum_seconds": time.time() - t0}
 
 
 RolloutRayActor = ray.remote(RolloutRayActorImpl)
