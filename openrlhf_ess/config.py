@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--vllm.sync_check_canary_every",
         type=int,
-        default=10,
+        default=50,
         help="Run the sync check's canary (a log-prob comparison through the engine, which checks its numerics "
         "end to end) at the first sync and then every N syncs; the per-tensor checksums run at every sync. "
         "1 = every sync (costs one engine request per sync).",
