@@ -116,13 +116,9 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             return
         from safetensors.torch import save_file
 
-        module = self.actor.model.module
-        params = list(module.parameters())
-        with deepspeed.zero.GatheredParameters(params, enabled=self.args.ds.zero_stage == 3):
-            if torch.distributed.get_rank() != 0:
-                return
+        state = self._synced_state()
+        if state is not None:
             os.makedirs(folder, exist_ok=True)
-            state = {name: t.contiguous() for name, t in prox.cpu_state(module).items()}
             save_file(state, os.path.join(folder, f"weights_v{self.weight_version}.safetensors"))
 
     def proximal_log_probs(self, current: torch.Tensor, versions: torch.Tensor, forward) -> torch.Tensor:
@@ -353,16 +349,22 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         ZeRO-3 gathers). What the reload backend sends to the engines and the dedicated π_prox model."""
         from safetensors.torch import save
 
+        state = self._synced_state()
+        return save(state) if state is not None else None
+
+    def _synced_state(self):
+        """The weights a sync sends, as contiguous CPU copies by HF name, on rank 0 (None on other ranks).
+
+        All ranks must call it: with ZeRO-3 the shards are gathered. Shared by the reload sync, the
+        dedicated model's weights and the audit trail, so all three see the same tensors."""
         model = self.actor.model.module
         params = [
             (n, p) for n, p in model.named_parameters() if p.requires_grad or not getattr(self.actor, "is_vlm", False)
         ]
-        state = {}
         with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=self.strategy.args.ds.zero_stage == 3):
-            if torch.distributed.get_rank() == 0:
-                for name, param in params:
-                    state[name] = param.data.detach().to("cpu", copy=True).contiguous()
-        return save(state) if torch.distributed.get_rank() == 0 else None
+            if torch.distributed.get_rank() != 0:
+                return None
+            return {name: param.data.detach().to("cpu", copy=True).contiguous() for name, param in params}
 
 
 _UpstreamPolicyModelActor = upstream.ray_actor_class(_upstream.PolicyModelActor)
