@@ -104,8 +104,9 @@ def _flash_attn_needed() -> bool:
 
 
 def _flash_attn_applies() -> bool:
-    spec = importlib.util.find_spec("openrlhf.models.ring_attn_utils")
-    with open(spec.origin) as f:
+    # Located, not imported: importing openrlhf.models would need flash_attn (or the shim) already.
+    root = os.path.dirname(importlib.util.find_spec("openrlhf").origin)
+    with open(os.path.join(root, "models", "ring_attn_utils.py")) as f:
         return "from flash_attn" in f.read()
 
 
@@ -247,6 +248,48 @@ def _cpu_adam_not_prebuilt() -> bool:
     return not installed_ops.get("cpu_adam", False)
 
 
+# ---- ZeRO-3 gathers wait for their collectives ------------------------------------------------
+
+
+class _CompletedCollectives(types.ModuleType):
+    """``deepspeed.comm`` as seen by ZeRO-3's partition code, with every async collective complete on return."""
+
+    def __init__(self, comm):
+        super().__init__(comm.__name__)
+        self.__openrlhf_ess_patch__ = True
+        self.__wrapped__ = comm
+
+    def __getattr__(self, name):
+        attr = getattr(self.__wrapped__, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+
+        def call(*args, **kwargs):
+            handle = attr(*args, **kwargs)
+            if kwargs.get("async_op") and handle is not None:
+                handle.wait()
+            return handle
+
+        return call
+
+
+def _patch_zero3_gathers() -> None:
+    from deepspeed.runtime.zero import partition_parameters
+
+    if getattr(partition_parameters.dist, "__openrlhf_ess_patch__", False):
+        return
+    # A handle that is waited on again later is simply complete then.
+    partition_parameters.dist = _CompletedCollectives(partition_parameters.dist)
+
+
+def _zero3_gathers_need_ordering() -> bool:
+    # DeepSpeed calls the CPU a synchronised device (no stream ordering to wait for), but gloo runs async
+    # collectives on worker threads: waiting for the last of several all-gathers does not finish the others.
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu" and get_accelerator().resolves_data_dependency()
+
+
 PATCHES: List[Patch] = [
     Patch(
         "flash_attn shim",
@@ -298,6 +341,19 @@ PATCHES: List[Patch] = [
         _upstream_calls("openrlhf.utils.deepspeed.deepspeed", "DeepspeedStrategy._ds_init_train_model", '"AdamW"'),
         _cpu_adam_not_prebuilt,
         _patch_torch_adam,
+    ),
+    Patch(
+        "ZeRO-3 all-gathers complete on CPU",
+        "ZeRO-3's coalesced gather (GatheredParameters, weight sync) launches one async all-gather per "
+        "parameter and waits for the last only, relying on stream order that gloo's threads do not give: "
+        "with two CPU ranks some gathered weights were read before they arrived (garbage, NaN)",
+        _upstream_calls(
+            "deepspeed.runtime.zero.partition_parameters",
+            "Init._allgather_params_coalesced",
+            "launch_handles[-1].wait()",
+        ),
+        _zero3_gathers_need_ordering,
+        _patch_zero3_gathers,
     ),
 ]
 

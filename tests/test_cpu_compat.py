@@ -14,6 +14,13 @@ from openrlhf_ess import cpu_compat
 pytestmark = pytest.mark.skipif(cpu_compat.cuda_available(), reason="CPU patches are inert where CUDA exists")
 
 
+@pytest.fixture(autouse=True)
+def _importable_upstream():
+    # Reading upstream's source imports its modules, which import flash_attn: the shim must be there (in the
+    # full suite an earlier test has installed it; run alone, this file would otherwise fail on import).
+    cpu_compat._install_flash_attn_shim()
+
+
 @pytest.mark.parametrize("patch", cpu_compat.PATCHES, ids=lambda p: p.name)
 def test_patch_applies_to_pinned_upstream(patch):
     assert patch.applies(), f"{patch.name}: the upstream code it works around is gone ({patch.why})"
