@@ -223,7 +223,8 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         "at each weight sync generation is paused and every token of the outgoing version still outstanding "
         "(in-flight prefixes included) is scored by the actor with its one kept copy of that version (async + "
         "partial rollouts). dedicated: exact; the same scoring at each sync, done by an old-log-prob model that "
-        "receives every weight sync with the engines (--algo.prox_dedicated_num_gpus; any ZeRO stage).",
+        "receives every weight sync with the engines (--algo.prox_dedicated_num_gpus). Any ZeRO stage: under "
+        "ZeRO-3 snapshot/ewma/interrupt keep each rank's partition (host memory / number of ranks).",
     )
     group.add_argument(
         "--algo.prox_dedicated_num_gpus",
@@ -491,11 +492,10 @@ def _validate_prox(args: types.SimpleNamespace) -> None:
             raise ConfigError(f"{flag} is set but --algo.prox_mode is {mode}: it only applies to {owner[0]}; drop it.")
     if mode in SCORE_AT_SYNC_MODES:
         _validate_score_at_sync(args)
-    if mode in ("snapshot", "ewma", "interrupt") and args.ds.zero_stage == 3:
+    if mode in ("snapshot", "ewma", "interrupt") and args.ds.zero_stage == 3 and args.ds.zpg > 1:
         raise ConfigError(
-            f"--algo.prox_mode {mode} scores tokens by swapping full weights into the actor, which ZeRO-3 shards: "
-            "use --ds.zero_stage 0-2, --algo.prox_mode dedicated (exact, on its own device) or --algo.prox_mode "
-            "loglinear (no extra forward)."
+            f"--algo.prox_mode {mode} under ZeRO-3 swaps each rank's weight partition, but ZeRO++ hpZ "
+            f"(--ds.zpg {args.ds.zpg}) gathers from a second copy: drop --ds.zpg, or use --algo.prox_mode dedicated."
         )
     if mode in ("snapshot", "ewma", "interrupt") and args.ds.tensor_parallel_size > 1:
         raise ConfigError(f"--algo.prox_mode {mode} needs full weights per rank: drop --ds.tensor_parallel_size.")

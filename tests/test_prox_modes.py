@@ -14,14 +14,23 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(tiny_world, tmp_path, **kw):
+def _run(tiny_world, tmp_path, ranks=1, **kw):
+    """The helper in one process, or under torchrun with ``ranks`` ranks (gloo on 127.0.0.1): one result per rank."""
+    from tests.helpers.ds_actor import free_port
+
     out = tmp_path / "prox.pt"
-    cmd = [sys.executable, "-m", "tests.helpers.prox_snapshot", tiny_world["model"], tiny_world["prompts"], str(out)]
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1"]
+        launcher += ["--master_port", str(free_port())]
+    cmd = launcher + ["-m", "tests.helpers.prox_snapshot", tiny_world["model"], tiny_world["prompts"], str(out)]
     for k, v in kw.items():
         cmd += [f"--{k}", str(v)]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return torch.load(out)
+    if ranks == 1:
+        return torch.load(out)
+    return [torch.load(f"{out}.rank{r}") for r in range(ranks)]
 
 
 def _hf_log_probs(model_dir, state, sequences, n_actions):
@@ -97,17 +106,63 @@ def test_snapshot_scores_each_token_with_its_version(tiny_world, tmp_path, zero_
     assert m["prox/host_memory_mb"] > 0 and m["prox/missing_version_tokens"] == 0
 
 
+def test_zero3_snapshots_are_partitions_swapped_on_every_rank(tiny_world, tmp_path):
+    """ZeRO-3, two ranks: each rank keeps only its partition of every version (host memory halves), the swap
+    reaches both gathered-on-demand and persistent parameters, every token still gets its version's
+    weights, and rank 1 — which has no stale token — joins rank 0's swapped forwards (else the gathers hang)."""
+    results = _run(tiny_world, tmp_path, ranks=2, zero_stage=3, mode="snapshot", persistence_threshold=100)
+    for rank, res in enumerate(results):
+        seqs, n, versions = res["sequences"], res["n_actions"], res["versions"]
+        hf = {v: _hf_log_probs(tiny_world["model"], res["states"][v], seqs, n) for v in (0, 1, 2)}
+        expected = res["current"].clone()
+        for v in (0, 1, 2):
+            expected[versions == v] = hf[v][versions == v]
+        assert (res["prox"] - expected).abs().max().item() < 1e-5, rank
+        assert (res["current"] - hf[2]).abs().max().item() < 1e-5, rank  # the live weights are version 2
+        # the live weights are back, bit for bit, and in the very tensors the optimizer updates
+        assert torch.equal(res["after"], res["current"]) and res["storage_moved"] == [], rank
+        assert res["metrics"]["prox/extra_forwards"] == 2.0, rank  # versions 0 and 1, on both ranks
+        # a real mix: every parameter partitioned, some also kept gathered (ZeRO-3 "persistent" ones)
+        assert res["partitioned"] == len(res["numels"]) and 0 < res["persistent"] < len(res["numels"])
+        shard_bytes = sum(-(-numel // 2) * 4 for numel in res["numels"])  # fp32, half of each, rounded up
+        assert res["metrics"]["prox/host_memory_mb"] * 2**20 == 3 * shard_bytes  # versions 0, 1, 2
+    # the gathered weights agree across ranks (on CPU this needs cpu_compat's "ZeRO-3 all-gathers" patch:
+    # without it some gathers were read before they arrived, and the reference itself was garbage)
+    for v in (0, 1, 2):
+        assert all(torch.equal(t, results[1]["states"][v][k]) for k, t in results[0]["states"][v].items())
+    stale = (results[0]["versions"] == 0) | (results[0]["versions"] == 1)
+    assert (results[0]["current"][stale] - results[0]["prox"][stale]).abs().min().item() > 1e-4
+    assert not ((results[1]["versions"] == 0) | (results[1]["versions"] == 1)).any()
+
+
+def _independent_ewma(steps, beta=0.9):  # --algo.prox_ewma_decay default
+    """PPO-EWMA from the full weights after each optimizer step: avg_n = beta avg_{n-1} + (1 - beta) theta_n,
+    avg_0 = 0; theta_hat = avg_n / (1 - beta^n)."""
+    avg = {k: torch.zeros_like(v) for k, v in steps[0].items()}
+    for state in steps:
+        avg = {k: beta * avg[k] + (1 - beta) * state[k] for k in avg}
+    return {k: v / (1 - beta ** len(steps)) for k, v in avg.items()}
+
+
+def test_zero3_ewma_averages_partitions(tiny_world, tmp_path):
+    """ZeRO-3, two ranks: each rank averages its own partition; swapped in together they are the EWMA of the
+    full weights, computed here from the gathered weights after every optimizer step."""
+    results = _run(tiny_world, tmp_path, ranks=2, zero_stage=3, mode="ewma", persistence_threshold=100)
+    for res in results:
+        assert len(res["step_states"]) == 4  # 2 rollouts x 2 optimizer steps
+        hf = _hf_log_probs(
+            tiny_world["model"], _independent_ewma(res["step_states"]), res["sequences"], res["n_actions"]
+        )
+        assert (res["prox"] - hf).abs().max().item() < 1e-5
+        assert (res["prox"] - res["current"]).abs().max().item() > 1e-4  # not the live weights
+        assert torch.equal(res["after"], res["current"]) and res["storage_moved"] == []
+
+
 def test_ewma_scores_with_bias_corrected_average(tiny_world, tmp_path):
     res = _run(tiny_world, tmp_path, zero_stage=0, mode="ewma")
     steps = res["step_states"]
     assert len(steps) == 4  # 2 rollouts x 2 optimizer steps
-    beta = 0.9  # --algo.prox_ewma_decay default
-    # independent PPO-EWMA: avg_n = beta avg_{n-1} + (1 - beta) theta_n, avg_0 = 0; theta_hat = avg_n / (1 - beta^n)
-    avg = {k: torch.zeros_like(v) for k, v in steps[0].items()}
-    for state in steps:
-        avg = {k: beta * avg[k] + (1 - beta) * state[k] for k in avg}
-    theta_hat = {k: v / (1 - beta ** len(steps)) for k, v in avg.items()}
-    hf = _hf_log_probs(tiny_world["model"], theta_hat, res["sequences"], res["n_actions"])
+    hf = _hf_log_probs(tiny_world["model"], _independent_ewma(steps), res["sequences"], res["n_actions"])
     assert (res["prox"] - hf).abs().max().item() < 1e-5
     assert (res["prox"] - res["current"]).abs().max().item() > 1e-4  # not the live weights
     assert res["metrics"]["prox/extra_forwards"] == 1.0
@@ -124,6 +179,19 @@ def test_ewma_scores_with_bias_corrected_average(tiny_world, tmp_path):
         # two actor ranks: stale streams are split between them, each scores with its kept copy
         pytest.param("interrupt", ["--actor.num_gpus_per_node", "2"], marks=pytest.mark.slow, id="interrupt-2ranks"),
         pytest.param("snapshot", ["--actor.num_gpus_per_node", "2"], marks=pytest.mark.slow, id="snapshot-2ranks"),
+        # ZeRO-3 over two ranks: the kept copies are each rank's partitions, swapped in on both ranks at once
+        pytest.param(
+            "snapshot",
+            ["--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2"],
+            marks=pytest.mark.slow,
+            id="snapshot-zero3-2ranks",
+        ),
+        pytest.param(
+            "interrupt",
+            ["--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2"],
+            marks=pytest.mark.slow,
+            id="interrupt-zero3-2ranks",
+        ),
     ],
 )
 def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_path, mode, extra):
@@ -162,9 +230,14 @@ def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_pa
 
 
 @pytest.mark.slow
-def test_ewma_state_survives_checkpoint_and_resume(tiny_world, tmp_path):
+@pytest.mark.parametrize(
+    "layout", [[], ["--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2"]], ids=["zero2", "zero3-2ranks"]
+)
+def test_ewma_state_survives_checkpoint_and_resume(tiny_world, tmp_path, layout):
     """Stop after 2 steps (checkpoint each step), restart with --ckpt.load_enable: the PPO-EWMA average
-    continues (one optimizer step per global step here, so its update count equals the global step)."""
+    continues (one optimizer step per global step here, so its update count equals the global step).
+    Under ZeRO-3 each rank saves and restores its own partition of the average (DeepSpeed writes one
+    client state per rank), checked against the parameters' layout at load."""
     from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 
     def run(name, extra):
@@ -173,7 +246,7 @@ def test_ewma_state_survives_checkpoint_and_resume(tiny_world, tmp_path):
         args = tiny_args(tiny_world, run_dir)
         ckpt = str(tmp_path / "ckpt")  # shared by both runs
         args[args.index("--ckpt.path") + 1] = ckpt
-        flags = ["--algo.prox_mode", "ewma", "--ckpt.save_steps", "1"] + extra
+        flags = ["--algo.prox_mode", "ewma", "--ckpt.save_steps", "1"] + layout + extra
         rc, log = run_cli(args + flags, run_dir)
         assert rc == 0, log[-5000:]
         return {s: v for s, v in read_tensorboard(run_dir)["train/prox/ewma_updates"]}

@@ -90,3 +90,39 @@ def test_stream_log_probs_match_upstream_actor_forward(tiny_world):
         assert (lp - ref[0].float()).abs().max().item() < 1e-5
     hot = prox.stream_log_probs(actor.model, streams[:1], temperature=1.0)[0]
     assert (hot - ours[0]).abs().max().item() > 1e-3  # temperature matters: the check could fail
+
+
+def test_stream_scoring_pads_forwards_for_zero3_ranks(tiny_world):
+    """Under ZeRO-3 every rank runs as many forwards as the busiest at a sync: padding adds forwards,
+    changes no score, and a rank with no stream can still join."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_world["model"], dtype=torch.float32).eval()
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    streams = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    plain = prox.stream_log_probs(model, streams, micro_batch=2)
+    assert len(calls) == 2 == prox.forwards_needed(3, micro_batch=2)
+    calls.clear()
+    padded = prox.stream_log_probs(model, streams, micro_batch=2, forwards=5)
+    assert len(calls) == 5 and all(torch.equal(a, b) for a, b in zip(plain, padded))
+    calls.clear()
+    assert prox.stream_log_probs(model, [], forwards=2) == [] and len(calls) == 2
+
+
+def test_ewma_partitions_from_another_layout_are_refused():
+    """EWMA weights saved under ZeRO-3 are one rank's partitions: loading them into another layout names the
+    flags to keep instead of averaging mismatched shards."""
+    import types
+
+    import pytest
+
+    from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    module = torch.nn.Linear(4, 2)
+    trainer = types.SimpleNamespace(actor=types.SimpleNamespace(model=types.SimpleNamespace(module=module)))
+    fits = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
+    ActorPPOTrainer._check_partition_layout(trainer, fits)  # same shapes: accepted
+    halves = {name: torch.zeros(-(-p.numel() // 2)) for name, p in module.named_parameters()}  # 2-rank shards
+    with pytest.raises(RuntimeError, match="same --ds.zero_stage and number of actor ranks"):
+        ActorPPOTrainer._check_partition_layout(trainer, halves)

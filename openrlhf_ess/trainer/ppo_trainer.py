@@ -124,7 +124,8 @@ class ScoreAtSyncMixin(_upstream.BasePPOTrainer):
         if self.prox_scorer is not None:
             return ray.get(self.prox_scorer.score.remote(version, streams))
         actors = upstream.group_actors(self.actor_model_group)
+        # every rank gets a share (maybe none): under ZeRO-3 all of them must take part in the forwards
         size = -(-len(streams) // len(actors))
-        chunks = [streams[i : i + size] for i in range(0, len(streams), size)]
+        chunks = [streams[i * size : (i + 1) * size] for i in range(len(actors))]
         results = ray.get([actor.score_streams.remote(version, chunk) for actor, chunk in zip(actors, chunks)])
         return [lp for chunk in results for lp in chunk]

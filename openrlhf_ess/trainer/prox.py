@@ -1,25 +1,52 @@
 """Where π_prox comes from (shared/DESIGN.md §4): weight snapshots per version, and PPO-EWMA weights.
 
-Both are scored by the actor itself at experience-making time, by swapping the module's parameter
-storage for the stored weights for one forward and swapping it back. The swap rebinds ``param.data``
-(no copy of the live weights), so the optimizer state and DeepSpeed's views are untouched. It needs
-full parameters on every rank, i.e. ZeRO stages 0-2 (validated in ``openrlhf_ess/config.py``).
+Both are scored by the actor itself, by swapping the module's parameter storage for the stored weights
+for one forward and swapping it back. The swap rebinds ``.data`` (no copy of the live weights), so the
+optimizer state and DeepSpeed's views are untouched.
+
+ZeRO-3 keeps only this rank's partition of each parameter (``param.ds_tensor``; ``param.data`` is empty
+outside a gather, except for the small "persistent" parameters, which stay gathered). There the stored
+states are partitions too (host memory per rank: model size / ranks per version), and the swap replaces
+each partition: every gathered copy is released first (DeepSpeed's ``empty_partition_cache``), so the
+forward's gathers read the swapped partitions, and released again after it, so no gathered copy of the
+stored weights outlives the block. Every rank must run the same swapped forwards (the gathers are
+collective); the actor agrees on them across ranks. This is the one place that touches ZeRO-3's
+parameter internals (``ds_tensor``, ``ds_persist``, ``ds_secondary_tensor``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
 State = Dict[str, torch.Tensor]
 
 
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """True when ZeRO-3 partitions ``module``'s parameters (each rank holds a ``ds_tensor`` shard)."""
+    return any(hasattr(p, "ds_tensor") for p in module.parameters())
+
+
+def storage(param: torch.nn.Parameter) -> torch.Tensor:
+    """What holds this rank's values of ``param``: the parameter itself, or its ZeRO-3 partition."""
+    shard = getattr(param, "ds_tensor", None)
+    if shard is None:
+        return param
+    if getattr(param, "ds_secondary_tensor", None) is not None or hasattr(shard, "ds_quant_scale"):
+        # ZeRO++ (hpZ, quantized weights) gathers from other copies than ds_tensor: a swap would be ignored
+        raise RuntimeError(
+            "π_prox weight swap under ZeRO-3 needs plain partitions: drop --ds.zpg (ZeRO++ hpZ) or use "
+            "--algo.prox_mode dedicated."
+        )
+    return shard
+
+
 def cpu_state(module: torch.nn.Module) -> State:
-    """A CPU copy of every parameter, by name."""
-    return {name: p.detach().to("cpu", copy=True) for name, p in module.named_parameters()}
+    """A CPU copy of every parameter (its ZeRO-3 partition on this rank, when partitioned), by name."""
+    return {name: storage(p).detach().to("cpu", copy=True) for name, p in module.named_parameters()}
 
 
 def state_bytes(state: State) -> int:
@@ -27,22 +54,40 @@ def state_bytes(state: State) -> int:
 
 
 @contextlib.contextmanager
-def swapped_weights(module: torch.nn.Module, state: State) -> Iterator[None]:
-    """Run the block with ``module``'s parameters replaced by ``state`` (same names, shapes)."""
+def swapped_weights(
+    module: torch.nn.Module, state: State, release_gathered: Optional[Callable[[], None]] = None
+) -> Iterator[None]:
+    """Run the block with ``module``'s parameters replaced by ``state`` (same names, shapes as ``storage``).
+
+    ``release_gathered`` (ZeRO-3 only: the ZeRO-3 optimizer's ``empty_partition_cache``) returns every gathered
+    parameter to its partition: called before the swap and after the block, on every rank.
+    """
+    partitioned = release_gathered is not None
+    if partitioned:
+        release_gathered()
     saved = {}
     try:
         for name, p in module.named_parameters():
-            saved[name] = p.data
-            p.data = state[name].to(device=p.device, dtype=p.dtype)
+            target = storage(p) if partitioned else p
+            saved[name] = target.data
+            target.data = state[name].to(device=target.device, dtype=target.dtype)
         yield
     finally:
+        if partitioned:
+            release_gathered()  # drop the gathered copies of ``state``
+        persistent = []
         for name, p in module.named_parameters():
             if name in saved:
-                p.data = saved[name]
+                (storage(p) if partitioned else p).data = saved[name]
+                if partitioned and getattr(p, "ds_persist", False):
+                    persistent.append(p)
+        if persistent:  # as DeepSpeed leaves them after an optimizer step: gathered, from the live partitions
+            persistent[0].all_gather(persistent)
 
 
 class WeightSnapshots:
-    """CPU copies of the weights of the last ``keep`` versions. Memory: keep × model size (host)."""
+    """CPU copies of the weights of the last ``keep`` versions. Host memory: keep × model size, per rank
+    (keep × model size / ranks under ZeRO-3, which stores each rank's partition)."""
 
     def __init__(self, keep: int):
         self.keep = keep
@@ -82,7 +127,7 @@ class EwmaWeights:
         self._avg: Optional[State] = None
 
     def update(self, module: torch.nn.Module) -> None:
-        current = {name: p.detach().float().cpu() for name, p in module.named_parameters()}
+        current = {name: storage(p).detach().float().cpu() for name, p in module.named_parameters()}
         if self._avg is None:
             self._avg = {name: torch.zeros_like(t) for name, t in current.items()}
         for name, t in current.items():
@@ -114,13 +159,19 @@ class EwmaWeights:
 # that still holds V) and kept in a ProxStore until the trainer consumes the sample.
 
 
+MICRO_BATCH = 16  # streams per forward when scoring at a sync
+
+
 @torch.no_grad()
-def stream_log_probs(model: torch.nn.Module, streams, temperature: float = 1.0, micro_batch: int = 16):
+def stream_log_probs(
+    model: torch.nn.Module, streams, temperature: float = 1.0, micro_batch: int = MICRO_BATCH, forwards: int = 0
+):
     """log π(s_t | s_<t) for t >= 1 of each token stream, as the actor's forward computes it.
 
     The streams are right-padded (so position ids are 0..L-1, as upstream's Actor derives them from the
     attention mask) and the logits are divided by the sampling temperature in fp32 before the softmax.
-    Returns one fp32 CPU tensor of length len(stream) - 1 per stream.
+    Returns one fp32 CPU tensor of length len(stream) - 1 per stream. ``forwards``: run at least this many
+    forwards (padding with a one-token one), so ZeRO-3 ranks with fewer streams join every gather.
     """
     device = next(model.parameters()).device
     out = []
@@ -139,7 +190,13 @@ def stream_log_probs(model: torch.nn.Module, streams, temperature: float = 1.0, 
             logits = logits / temperature
         lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device))[..., 0].cpu()
         out.extend(lp[i, : len(s) - 1] for i, s in enumerate(chunk))
+    for _ in range(forwards - forwards_needed(len(streams), micro_batch)):
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
     return out
+
+
+def forwards_needed(n_streams: int, micro_batch: int = MICRO_BATCH) -> int:
+    return -(-n_streams // micro_batch)
 
 
 class ProxStore:

@@ -24,7 +24,11 @@ def single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
-def build_actor(model_path, prompts, zero_stage, param_dtype, train_batch, micro_batch, lr=1e-3, extra=()):
+def build_actor(
+    model_path, prompts, zero_stage, param_dtype, train_batch, micro_batch, lr=1e-3, extra=(), zero_overrides=None
+):
+    """``zero_overrides``: entries replacing upstream's ``zero_optimization`` config (e.g. a persistence
+    threshold), in both the model's ZeRO-3 init and ``deepspeed.initialize``."""
     from openrlhf_ess import cpu_compat
 
     cpu_compat.apply()
@@ -63,6 +67,15 @@ def build_actor(model_path, prompts, zero_stage, param_dtype, train_batch, micro
     ] + list(extra)
     args, _ = parse_args(argv)
     strategy = get_strategy(args)
+    if zero_overrides:
+        upstream_config = strategy.get_ds_train_config
+
+        def with_overrides(*a, **k):
+            config = upstream_config(*a, **k)
+            config["zero_optimization"].update(zero_overrides)
+            return config
+
+        strategy.get_ds_train_config = with_overrides
     strategy.setup_distributed()
     actor = Actor(
         model_path,

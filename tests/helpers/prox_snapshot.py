@@ -1,17 +1,32 @@
-"""Snapshot-mode π_prox on a real DeepSpeed actor vs an independent HF recomputation per version.
+"""Snapshot/EWMA π_prox on a real DeepSpeed actor vs an independent HF recomputation per version.
 
     python -m tests.helpers.prox_snapshot MODEL PROMPTS OUT.pt --zero_stage 2 [--mode snapshot|ewma]
+    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P -m tests.helpers.prox_snapshot \
+        MODEL PROMPTS OUT.pt --zero_stage 3 --persistence_threshold 100      (writes OUT.pt.rank0, OUT.pt.rank1)
 
-Trains two rollouts with a version advance after each (v0 -> v1 -> v2), keeping its own copy of the
-weights at each version, then scores one batch whose tokens are tagged with versions 0, 1 and 2.
+Trains two rollouts with a version advance after each (v0 -> v1 -> v2), keeping its own (gathered, full)
+copy of the weights at each version, then scores one batch whose tokens are tagged with versions 0, 1
+and 2. Under ZeRO-3 with two ranks, rank 1's batch has no stale token: it must still join the swapped
+forwards that rank 0 needs (else the gathers would hang). ``--persistence_threshold`` lowers ZeRO-3's
+so that the tiny model has both kinds of parameters: small ones kept gathered and partitioned ones.
 """
 
 import argparse
+import os
 
 import torch
 
 from tests.helpers.ds_actor import build_actor, single_process_env
 from tests.helpers.ess_ds import MICRO, make_rollout
+
+
+def full_state(module, zero_stage):
+    """The module's full weights by state-dict name (gathered from every rank under ZeRO-3)."""
+    import deepspeed
+
+    params = list(module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=zero_stage == 3):
+        return {n: t.detach().clone() for n, t in module.state_dict().items()}
 
 
 def main() -> None:
@@ -21,58 +36,92 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--zero_stage", type=int, default=2)
     p.add_argument("--mode", default="snapshot")
+    p.add_argument("--persistence_threshold", type=int, default=None)
     a = p.parse_args()
-    single_process_env()
+    if "RANK" not in os.environ:
+        single_process_env()
     extra = ["--vllm.num_engines", "1", "--algo.kl.init_coef", "0", "--algo.prox_mode", a.mode]
+    overrides = None
+    if a.persistence_threshold is not None:
+        overrides = {"stage3_param_persistence_threshold": a.persistence_threshold}
     strategy, model, optim, scheduler = build_actor(
-        a.model, a.prompts, a.zero_stage, "fp32", MICRO, MICRO, extra=extra
+        # every rank trains on the same rollouts: one optimizer step per micro-batch, as with one rank
+        a.model,
+        a.prompts,
+        a.zero_stage,
+        "fp32",
+        MICRO * int(os.environ["WORLD_SIZE"]),
+        MICRO,
+        extra=extra,
+        zero_overrides=overrides,
     )
+    from openrlhf_ess.trainer import prox
     from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer
 
+    rank = torch.distributed.get_rank()
     trainer = ActorPPOTrainer(
         strategy, model, None, optim, scheduler, micro_train_batch_size=MICRO, dataloader_pin_memory=False
     )
     module = model.model.module
-    states = {0: {n: t.detach().clone() for n, t in module.state_dict().items()}}
-    # ZeRO-0 fp32: the engine's optimizer updates the module's own parameters, so a post-step hook sees
-    # the weights after every optimizer step (the test's independent EWMA is built from these).
+    states = {0: full_state(module, a.zero_stage)}
+    # The weights after every optimizer step, gathered (the test's independent EWMA is built from these):
+    # training_step is where the trainer sees an optimizer step happen.
     step_states = []
-    if a.zero_stage == 0:
-        model.model.optimizer.register_step_post_hook(
-            lambda *_: step_states.append({n: t.detach().clone() for n, t in module.state_dict().items()})
-        )
+    inner_step = trainer.training_step
+
+    def recording_step(*args, **kwargs):
+        steps = model.model.global_steps
+        status = inner_step(*args, **kwargs)
+        if model.model.global_steps > steps:
+            step_states.append(full_state(module, a.zero_stage))
+        return status
+
+    trainer.training_step = recording_step
     for version in (1, 2):
         trainer.replay_buffer.append(make_rollout(10 + version, 2 * MICRO))
         trainer.ppo_train(0.0)
         trainer.replay_buffer.clear()
         trainer.advance_version()  # what broadcast_to_vllm does after the weights reached the engines
-        states[version] = {n: t.detach().clone() for n, t in module.state_dict().items()}
+        states[version] = full_state(module, a.zero_stage)
     assert trainer.weight_version == 2
 
     batch = make_rollout(99, 3)
     versions = torch.tensor([[0] * 6, [1, 1, 1, 2, 2, 2], [2, 0, 1, -1, 2, 0]])
+    if rank == 1:  # nothing stale on this rank
+        versions = torch.tensor([[2] * 6, [2, 2, 2, -1, -1, -1], [2] * 6])
 
     def forward():
         with torch.no_grad():
             return model(batch.sequences, batch.action_mask, attention_mask=batch.attention_mask).float()
 
+    storages = {n: prox.storage(p) for n, p in module.named_parameters()}
+    pointers = {n: t.data_ptr() for n, t in storages.items()}
     current = forward()
-    prox = trainer.proximal_log_probs(current, versions, forward)
-    ewma_state = trainer.ewma.state() if trainer.ewma is not None else None
-    torch.save(
-        {
-            "prox": prox,
-            "current": current,
-            "versions": versions,
-            "states": states,
-            "sequences": batch.sequences,
-            "n_actions": batch.action_mask.shape[1],
-            "ewma": ewma_state,
-            "metrics": trainer.prox_metrics(),
-            "step_states": step_states,
-        },
-        a.out,
-    )
+    prox_lp = trainer.proximal_log_probs(current, versions, forward)
+    after = forward()  # the live weights again
+    params = list(module.parameters())
+    result = {
+        "prox": prox_lp,
+        "current": current,
+        "after": after,
+        "storage_moved": [n for n, t in storages.items() if t.data_ptr() != pointers[n]],
+        "versions": versions,
+        "states": states,
+        "sequences": batch.sequences,
+        "n_actions": batch.action_mask.shape[1],
+        "ewma": trainer.ewma.state() if trainer.ewma is not None else None,
+        "metrics": trainer.prox_metrics(),
+        "step_states": step_states,
+        "partitioned": sum(1 for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel),
+        "persistent": sum(1 for p in params if getattr(p, "ds_persist", False)),
+        "numels": [getattr(p, "ds_numel", p.numel()) for p in params],
+    }
+    if torch.distributed.get_world_size() == 1:
+        torch.save(result, a.out)
+    else:
+        torch.save(result, f"{a.out}.rank{rank}")
+        torch.distributed.barrier()  # no rank tears gloo down while the other is mid-collective
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

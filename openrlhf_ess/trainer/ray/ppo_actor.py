@@ -59,6 +59,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         self.snapshots = self.ewma = None
         self._prox_seconds, self._prox_forwards, self._prox_missing = 0.0, 0, 0
         self._optimizer_steps_seen = 0
+        # ZeRO-3: snapshots and EWMA weights are this rank's partitions, swapped in on every rank at once
+        self._partitioned = prox.is_partitioned(self.actor.model.module)
         if algo.prox_mode in ("snapshot", "interrupt"):
             # interrupt scores at each sync, so only the version the engines hold must be kept
             self.snapshots = prox.WeightSnapshots(algo.prox_snapshots if algo.prox_mode == "snapshot" else 1)
@@ -99,13 +101,56 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
 
     def checkpoint_state(self) -> dict:
         """What a restart needs to continue exactly: the PPO-EWMA average (snapshots need nothing: the
-        rollouts in flight at a checkpoint do not survive a restart, and versions restart consistently at 0)."""
-        return {"ewma": self.ewma.state_dict()} if self.ewma is not None else {}
+        rollouts in flight at a checkpoint do not survive a restart, and versions restart consistently at 0).
+        Under ZeRO-3 the average is this rank's partition; DeepSpeed writes one client state per rank."""
+        if self.ewma is None:
+            return {}
+        return {"ewma": self.ewma.state_dict(), "partition_of": self._partition_owner()}
 
     def load_checkpoint_state(self, state: dict) -> None:
         if self.ewma is not None and "ewma" in state:
+            saved_owner = state.get("partition_of")
+            if saved_owner != self._partition_owner():
+                raise RuntimeError(
+                    f"--algo.prox_mode ewma: this rank ({self._partition_owner()}) was given the EWMA weights saved "
+                    f"by {saved_owner} (rank, ranks; None = unpartitioned). Resume with the same --ds.zero_stage and "
+                    "number of actor ranks (--actor.num_nodes x --actor.num_gpus_per_node)."
+                )
+            self._check_partition_layout(state["ewma"]["avg"])
             self.ewma.load_state_dict(state["ewma"])
             self._optimizer_steps_seen = self.actor.model.global_steps
+
+    def _partition_owner(self):
+        """(rank, ranks) whose partition this rank's stored weights are under ZeRO-3; None otherwise."""
+        if not self._partitioned:
+            return None
+        return (torch.distributed.get_rank(), torch.distributed.get_world_size())
+
+    def _check_partition_layout(self, saved) -> None:
+        """EWMA weights saved under ZeRO-3 are this rank's partitions: they only fit the same layout."""
+        if not saved:
+            return
+        for name, p in self.actor.model.module.named_parameters():
+            if name not in saved or saved[name].shape != prox.storage(p).shape:
+                raise RuntimeError(
+                    f"--algo.prox_mode ewma: the checkpoint's EWMA weights do not fit this run's parameters "
+                    f"({name}: saved {tuple(saved[name].shape) if name in saved else 'nothing'}, here "
+                    f"{tuple(prox.storage(p).shape)}). Under ZeRO-3 they are per-rank partitions: resume with the "
+                    "same --ds.zero_stage and number of actor ranks (--actor.num_nodes x --actor.num_gpus_per_node)."
+                )
+
+    def _swapped(self, state):
+        """The module with ``state``'s weights for one block (all ranks together under ZeRO-3)."""
+        release = self.actor.model.optimizer.empty_partition_cache if self._partitioned else None
+        return prox.swapped_weights(self.actor.model.module, state, release)
+
+    def _agree(self, local: list, candidates: list) -> list:
+        """ZeRO-3: the candidates that any rank needs (each swapped forward gathers on every rank)."""
+        if not self._partitioned or not candidates:
+            return [c for c in candidates if c in local]
+        flags = torch.tensor([float(c in local) for c in candidates], device=torch.cuda.current_device())
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        return [c for c, f in zip(candidates, flags.tolist()) if f > 0]
 
     def _audit_weights(self):
         """--algo.prox_audit_dir: the weights of the current version, as the engines received them.
@@ -129,26 +174,27 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         on, per --algo.prox_missing). ewma: one forward with the bias-corrected EWMA weights.
         """
         t0 = time.time()
-        model = self.actor.model.module
         if self.ewma is not None:
             state = self.ewma.state()
             if state is None:  # no optimizer step yet: the EWMA equals the initial weights
                 return current
-            with prox.swapped_weights(model, state):
+            with self._swapped(state):
                 out = forward()
             self._prox_forwards += 1
         else:
             out = current.clone()
             stale = sorted(set(versions[versions >= 0].unique().tolist()) - {self.weight_version})
+            kept = self.snapshots.versions()  # the same on every rank
             for version in stale:
-                selected = versions == version
-                state = self.snapshots.get(version)
-                if state is None:
+                if version not in kept:
+                    selected = versions == version
                     out[selected] = float("nan")
                     self._prox_missing += int(selected.sum())
-                    continue
-                with prox.swapped_weights(model, state):
+            # under ZeRO-3 a rank without tokens of a version still joins that version's forward
+            for version in self._agree(stale, [v for v in kept if v != self.weight_version]):
+                with self._swapped(self.snapshots.get(version)):
                     scored = forward()
+                selected = versions == version
                 out[selected] = scored[selected]
                 self._prox_forwards += 1
         self._prox_seconds += time.time() - t0
@@ -156,17 +202,25 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
 
     def score_streams(self, version: int, streams) -> list:
         """interrupt mode, at the sync version -> version + 1: π_version of each token stream, scored with the
-        kept copy of ``version``'s weights (the live weights are already the next version's)."""
+        kept copy of ``version``'s weights (the live weights are already the next version's). Every actor rank
+        is called, some with no streams; under ZeRO-3 all of them run the same number of forwards."""
         state = self.snapshots.get(version)
         if state is None:
             raise RuntimeError(f"interrupt mode: no copy of version {version} (kept: {self.snapshots.versions()})")
+        forwards = prox.forwards_needed(len(streams))
+        if self._partitioned:
+            count = torch.tensor([float(forwards)], device=torch.cuda.current_device())
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            forwards = int(count.item())
+        if forwards == 0:
+            return []
         t0 = time.time()
         model = self.actor.model.module
         was_training = model.training
         model.eval()
         try:
-            with prox.swapped_weights(model, state):
-                out = prox.stream_log_probs(model, streams, self.args.rollout.temperature)
+            with self._swapped(state):
+                out = prox.stream_log_probs(model, streams, self.args.rollout.temperature, forwards=forwards)
         finally:
             model.train(was_training)
         self._prox_seconds += time.time() - t0
@@ -175,7 +229,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
 
     def prox_metrics(self) -> dict:
         """Cost of the π_prox mode since the last call: extra forward time and count, host memory."""
-        stored = self.snapshots.nbytes() if self.snapshots is not None else self.ewma.nbytes()
+        stored = self.snapshots.nbytes() if self.snapshots is not None else self.ewma.nbytes()  # this rank's
         out = {
             "prox/extra_forward_seconds": self._prox_seconds,
             "prox/extra_forwards": float(self._prox_forwards),
