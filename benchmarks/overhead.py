@@ -28,6 +28,7 @@ from benchmarks.common import add_model_arguments, check_model_arguments, run_fl
 from openrlhf_ess.tools.summary import read_scalars  # noqa: E402
 
 ASYNC = ["--train.async_enable", "--train.partial_rollout_enable"]
+ZERO3_2RANKS = ["--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2"]
 KL = ["--algo.kl.init_coef", "0.01", "--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--ref.num_gpus_per_node", "1"]
 GROUPS = {
     "sync": {
@@ -45,6 +46,14 @@ GROUPS = {
         "dedicated": ASYNC + ["--algo.prox_mode", "dedicated"],
         "ewma": ASYNC + ["--algo.prox_mode", "ewma"],
         "loglinear": ASYNC + ["--algo.prox_mode", "loglinear"],
+    },
+    # the π_prox modes on a ZeRO-3 actor over two ranks (each rank keeps its partition of the copies)
+    "async + partial, ZeRO-3, 2 actor ranks": {
+        "off (recompute)": ASYNC + ZERO3_2RANKS,
+        "snapshot": ASYNC + ZERO3_2RANKS + ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"],
+        "interrupt": ASYNC + ZERO3_2RANKS + ["--algo.prox_mode", "interrupt"],
+        "dedicated": ASYNC + ZERO3_2RANKS + ["--algo.prox_mode", "dedicated"],
+        "ewma": ASYNC + ZERO3_2RANKS + ["--algo.prox_mode", "ewma"],
     },
 }
 TIMINGS = ("timing/ppo_train", "timing/make_experience", "timing/generation", "timing/broadcast", "timing/step_total")
@@ -111,7 +120,10 @@ def summarize_run(run_dir: str, peak_rss_gb: float) -> Dict[str, float]:
     for tag in TIMINGS + OWN_COST:
         values = [v for _, v in scalars.get(f"train/{tag}", [])][1:]
         out[tag] = statistics.median(values) if values else float("nan")
-    out["own_cost"] = sum(out[t] for t in OWN_COST if out[t] == out[t])
+    own = {t for t in OWN_COST if out[t] == out[t]}  # NaN: the run does not report it
+    if "prox/sync_score_seconds" in own:  # interrupt: the actor's scoring is inside the sync's scoring time
+        own.discard("prox/extra_forward_seconds")
+    out["own_cost"] = sum(out[t] for t in own)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(out, f)
     return out
@@ -143,12 +155,15 @@ def main() -> None:
 
 
 def write_report(results, path: str, prompts: int) -> None:
-    lines = [
+    """Write the tables of the groups just run. A rerun of some groups (``--groups``) keeps the other groups'
+    tables and the hand-written reading (from "## Reading" on) of an existing report."""
+    header = [
         "# Overhead of each feature (tiny CPU stack)",
         "",
         f"Measured with `python -m benchmarks.overhead --prompts {prompts}` on a 2-core CPU machine: the real CLI",
-        "(Ray + vLLM CPU engine + DeepSpeed ZeRO-2, tiny Qwen2), 8 prompts x 4 samples per step, one run per",
-        "configuration, all in one invocation. Per-step seconds are the run's own `train/timing/*` metrics, median",
+        "(Ray + vLLM CPU engine + DeepSpeed ZeRO-2 unless the group says otherwise, tiny Qwen2), 8 prompts x 4",
+        "samples per step, one run per configuration, a group's runs in one invocation (`--groups` reruns some",
+        "groups and keeps the others). Per-step seconds are the run's own `train/timing/*` metrics, median",
         "over the steps after the first; ratios are against the group's baseline (same flags, feature off). Peak",
         "memory is the resident memory of the whole process tree (Ray workers included). One run of 7 timed steps",
         "per configuration on a shared 2-core machine: differences of ~10% are noise (a feature cannot make a",
@@ -157,10 +172,10 @@ def write_report(results, path: str, prompts: int) -> None:
         "weight-sync canary; it is measured inside the step, so it is not subject to the between-run noise.",
         "",
     ]
+    sections = {}
     for group, runs in results.items():
-        base_name = next(iter(runs))
-        base = runs[base_name]
-        lines += [
+        base = next(iter(runs.values()))
+        lines = [
             f"## {group}",
             "",
             "| config | ppo_train s/step | ratio | make_experience s/step | ratio |"
@@ -178,15 +193,19 @@ def write_report(results, path: str, prompts: int) -> None:
                 f"{r['peak_rss_gb']:.2f} | "
                 f"{r['peak_rss_gb'] / base['peak_rss_gb']:.3f} |"
             )
-        lines.append("")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    kept = ""  # the hand-written reading (from "## Reading" on) survives a rerun; update it by hand
+        sections[group] = "\n".join(lines) + "\n"
+    kept, reading = {}, ""
     if os.path.exists(path):
         text = open(path).read()
         if "\n## Reading" in text:
-            kept = text[text.index("\n## Reading") :]
+            text, reading = text[: text.index("\n## Reading")], text[text.index("\n## Reading") :]
+        for section in text.split("\n## ")[1:]:
+            kept[section.split("\n", 1)[0]] = "## " + section.strip("\n") + "\n"
+    kept.update(sections)
+    order = [g for g in GROUPS if g in kept] + [g for g in kept if g not in GROUPS]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        f.write("\n".join(lines) + kept)
+        f.write("\n".join(header) + "\n" + "\n".join(kept[g] for g in order) + reading)
 
 
 if __name__ == "__main__":
