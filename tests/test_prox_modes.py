@@ -222,6 +222,10 @@ def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_pa
         assert sum(v for _, v in tb["train/prox/sync_scored_tokens"]) > 0
 
     checked, stale_checked, mixed_responses, worst, recompute_gap = audit_exactness(audit, tiny_world["model"], 3)
+    print(
+        f"[exactness] {mode} {extra}: {checked} tokens, {stale_checked} stale, {mixed_responses} spanning a sync, "
+        f"worst {worst:.1e}, recompute off by {recompute_gap:.2e}"
+    )
     assert checked > 200 and stale_checked > 0
     if not extra:  # the variants (ZeRO-3, two ranks) test their weights; whether a response spans a sync is timing
         assert mixed_responses > 0, "no response spanned a weight sync: the partial-rollout case went untested"
