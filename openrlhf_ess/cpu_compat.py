@@ -346,7 +346,9 @@ PATCHES: List[Patch] = [
         "ZeRO-3 all-gathers complete on CPU",
         "ZeRO-3's coalesced gather (GatheredParameters, weight sync) launches one async all-gather per "
         "parameter and waits for the last only, relying on stream order that gloo's threads do not give: "
-        "with two CPU ranks some gathered weights were read before they arrived (garbage, NaN)",
+        "with two CPU ranks some gathered weights were read before they arrived (garbage, NaN). Fixed upstream "
+        "by deepspeedai/DeepSpeed#8539 (wait for every handle), not in the pinned release: when a bump brings "
+        "it, applies() fails and this patch goes",
         _upstream_calls(
             "deepspeed.runtime.zero.partition_parameters",
             "Init._allgather_params_coalesced",

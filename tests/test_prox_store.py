@@ -126,3 +126,20 @@ def test_ewma_partitions_from_another_layout_are_refused():
     halves = {name: torch.zeros(-(-p.numel() // 2)) for name, p in module.named_parameters()}  # 2-rank shards
     with pytest.raises(RuntimeError, match="same --ds.zero_stage and number of actor ranks"):
         ActorPPOTrainer._check_partition_layout(trainer, halves)
+
+
+def test_dedicated_model_gets_the_blob_the_reload_sync_just_sent():
+    """With the reload backend the weights are gathered and serialised once per sync: the dedicated model is sent
+    the engines' blob; the next sync (or another backend) gathers anew."""
+    import types
+
+    from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    gathered = []
+    trainer = types.SimpleNamespace(
+        _blob_for_dedicated=(b"synced",), weights_blob=lambda: gathered.append(1) or b"new"
+    )
+    assert ActorPPOTrainer.weights_blob_for_dedicated(trainer) == b"synced" and not gathered
+    assert ActorPPOTrainer.weights_blob_for_dedicated(trainer) == b"new" and gathered == [1]
+    trainer._blob_for_dedicated = (None,)  # a rank other than 0: no blob, and no gather either
+    assert ActorPPOTrainer.weights_blob_for_dedicated(trainer) is None and gathered == [1]

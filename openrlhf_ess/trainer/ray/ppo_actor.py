@@ -68,6 +68,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         elif algo.prox_mode == "ewma":
             self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
         self._audit_weights()
+        self._blob_for_dedicated = None  # (blob,) the reload sync just sent, kept for the dedicated model
         self.sync_check_metrics, self._sync_to_check, self._syncs_checked = {}, False, 0
         self.lr_scale_hook = None
         if self.args.algo.ess_lr_enable:
@@ -389,6 +390,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         host copy of the model per sync.
         """
         blob = self.weights_blob()
+        if self.args.algo.prox_mode == "dedicated":  # the dedicated model is sent the same bytes next
+            self._blob_for_dedicated = (blob,)
         if blob is not None:
             checks = self.args.vllm.sync_check_tol > 0
             loaded = ray.get(
@@ -405,6 +408,13 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
 
         state = self._synced_state()
         return save(state) if state is not None else None
+
+    def weights_blob_for_dedicated(self):
+        """dedicated mode, right after a sync: the blob the reload backend has just sent to the engines (no second
+        gather and serialisation of the weights); after other backends, gathered now. Every rank must call it
+        (each holds the same decision: a kept blob, None on ranks other than 0, or a gather)."""
+        kept, self._blob_for_dedicated = self._blob_for_dedicated, None
+        return kept[0] if kept is not None else self.weights_blob()
 
     def _synced_state(self):
         """The weights a sync sends, as contiguous CPU copies by HF name, on rank 0 (None on other ranks).
@@ -455,7 +465,7 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
 
     def weights_blob(self):
         """dedicated mode: the weights for the old-log-prob model (rank 0; every rank must call)."""
-        return self.trainer.weights_blob()
+        return self.trainer.weights_blob_for_dedicated()
 
     def forward(
         self,
