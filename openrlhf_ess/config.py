@@ -202,6 +202,10 @@ def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
 PROX_MODES = ("recompute", "snapshot", "interrupt", "dedicated", "ewma", "loglinear")
 # Modes that score the outgoing version's tokens at each weight sync (the engines report their streams).
 SCORE_AT_SYNC_MODES = ("interrupt", "dedicated")
+# Modes whose π_prox is each token's own version's weights (a stale token without them is masked or stops).
+EXACT_PROX_MODES = ("snapshot",) + SCORE_AT_SYNC_MODES
+# Modes that score by swapping stored weights into the actor (ZeRO-3: each rank's partition).
+WEIGHT_SWAP_MODES = ("snapshot", "ewma", "interrupt")
 
 
 def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
@@ -492,12 +496,12 @@ def _validate_prox(args: types.SimpleNamespace) -> None:
             raise ConfigError(f"{flag} is set but --algo.prox_mode is {mode}: it only applies to {owner[0]}; drop it.")
     if mode in SCORE_AT_SYNC_MODES:
         _validate_score_at_sync(args)
-    if mode in ("snapshot", "ewma", "interrupt") and args.ds.zero_stage == 3 and args.ds.zpg > 1:
+    if mode in WEIGHT_SWAP_MODES and args.ds.zero_stage == 3 and args.ds.zpg > 1:
         raise ConfigError(
             f"--algo.prox_mode {mode} under ZeRO-3 swaps each rank's weight partition, but ZeRO++ hpZ "
             f"(--ds.zpg {args.ds.zpg}) gathers from a second copy: drop --ds.zpg, or use --algo.prox_mode dedicated."
         )
-    if mode in ("snapshot", "ewma", "interrupt") and args.ds.tensor_parallel_size > 1:
+    if mode in WEIGHT_SWAP_MODES and args.ds.tensor_parallel_size > 1:
         raise ConfigError(f"--algo.prox_mode {mode} needs full weights per rank: drop --ds.tensor_parallel_size.")
     if mode == "snapshot":
         needed = max_lag_possible(args) + 1

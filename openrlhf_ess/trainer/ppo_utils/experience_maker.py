@@ -13,6 +13,7 @@ import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as _UpstreamRemoteExperienceMaker
 from openrlhf.utils.utils import zero_pad_sequences
 
+from openrlhf_ess.config import EXACT_PROX_MODES
 from openrlhf_ess.models import corrections
 from openrlhf_ess.trainer.ppo_utils.samples_generator import versions_or_untagged
 from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION
@@ -68,7 +69,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         lags, masks, prox, mu, tis = [], [], [], [], []
         stale = torch.zeros((), dtype=torch.float64)
         prox_missing = actor_nonfinite = 0
-        exact = algo.prox_mode in ("snapshot", "interrupt", "dedicated")
+        exact = algo.prox_mode in EXACT_PROX_MODES
         for exp in experiences:
             if self.prox_store is not None:
                 fill_prox_from_store(exp, self.prox_store, self.consumed, self.weight_version)
