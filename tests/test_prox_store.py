@@ -113,33 +113,29 @@ def test_stream_scoring_pads_forwards_for_zero3_ranks(tiny_world):
 def test_ewma_partitions_from_another_layout_are_refused():
     """EWMA weights saved under ZeRO-3 are one rank's partitions: loading them into another layout names the
     flags to keep instead of averaging mismatched shards."""
-    import types
 
     import pytest
 
-    from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf_ess.trainer.prox_sources import check_partition_layout
 
     module = torch.nn.Linear(4, 2)
-    trainer = types.SimpleNamespace(actor=types.SimpleNamespace(model=types.SimpleNamespace(module=module)))
     fits = {name: torch.zeros_like(p) for name, p in module.named_parameters()}
-    ActorPPOTrainer._check_partition_layout(trainer, fits)  # same shapes: accepted
+    check_partition_layout(module, fits)  # same shapes: accepted
     halves = {name: torch.zeros(-(-p.numel() // 2)) for name, p in module.named_parameters()}  # 2-rank shards
     with pytest.raises(RuntimeError, match="same --ds.zero_stage and number of actor ranks"):
-        ActorPPOTrainer._check_partition_layout(trainer, halves)
+        check_partition_layout(module, halves)
 
 
 def test_dedicated_model_gets_the_blob_the_reload_sync_just_sent():
     """With the reload backend the weights are gathered and serialised once per sync: the dedicated model is sent
     the engines' blob; the next sync (or another backend) gathers anew."""
-    import types
 
-    from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer
+    from openrlhf_ess.trainer.weight_sync import WeightSync
 
     gathered = []
-    trainer = types.SimpleNamespace(
-        _blob_for_dedicated=(b"synced",), weights_blob=lambda: gathered.append(1) or b"new"
-    )
-    assert ActorPPOTrainer.weights_blob_for_dedicated(trainer) == b"synced" and not gathered
-    assert ActorPPOTrainer.weights_blob_for_dedicated(trainer) == b"new" and gathered == [1]
-    trainer._blob_for_dedicated = (None,)  # a rank other than 0: no blob, and no gather either
-    assert ActorPPOTrainer.weights_blob_for_dedicated(trainer) is None and gathered == [1]
+    sync = WeightSync.__new__(WeightSync)
+    sync._blob_for_dedicated, sync.weights_blob = (b"synced",), lambda: gathered.append(1) or b"new"
+    assert sync.blob_for_dedicated() == b"synced" and not gathered
+    assert sync.blob_for_dedicated() == b"new" and gathered == [1]
+    sync._blob_for_dedicated = (None,)  # a rank other than 0: no blob, and no gather either
+    assert sync.blob_for_dedicated() is None and gathered == [1]

@@ -25,9 +25,20 @@ SAME_DTYPE_TOL = 1e-9  # float64 sums of identical values, summed in a different
 CAST_TOL = 1e-2  # the engine keeps another dtype than the trainer sent: rounding changes the sums
 
 
+CHUNK_ELEMENTS = 1 << 24  # float64 working copy per step: 128 MiB, whatever the parameter's size
+
+
 def checksum(t: torch.Tensor) -> Checksum:
-    x = t.detach().to("cpu", torch.float64)
-    return (x.sum().item(), (x * x).sum().item(), x.numel())
+    """(Σx, Σx², n) in float64, summed on ``t``'s own device in chunks: no host copy of a GPU parameter, and the
+    extra device memory is one chunk in float64 (a 70B model's 1B-element embedding would need 8 GB at once)."""
+    flat = t.detach().reshape(-1)
+    s = torch.zeros((), dtype=torch.float64, device=flat.device)
+    ss = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        x = flat[start : start + CHUNK_ELEMENTS].to(torch.float64)
+        s += x.sum()
+        ss += (x * x).sum()
+    return (s.item(), ss.item(), flat.numel())
 
 
 def engine_name(hf_name: str) -> str:
@@ -38,9 +49,13 @@ def engine_name(hf_name: str) -> str:
 
 def trainer_checksums(named: Iterable[Tuple[str, torch.Tensor]]) -> Dict[str, Checksum]:
     """The trainer's checksums, summed into the engine's (fused) names."""
+    return combine_checksums((name, checksum(t)) for name, t in named)
+
+
+def combine_checksums(named_sums: Iterable[Tuple[str, Checksum]]) -> Dict[str, Checksum]:
+    """Per-tensor checksums by HF name, summed into the engine's (fused) names (Σx, Σx² and n are additive)."""
     out: Dict[str, List[float]] = {}
-    for name, t in named:
-        s, ss, n = checksum(t)
+    for name, (s, ss, n) in named_sums:
         acc = out.setdefault(engine_name(name), [0.0, 0.0, 0])
         acc[0] += s
         acc[1] += ss

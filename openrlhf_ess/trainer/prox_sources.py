@@ -1,0 +1,187 @@
+"""The actor's π_prox sources (``--algo.prox_mode snapshot | interrupt | ewma``, shared/DESIGN.md §4).
+
+One object per actor rank, called by ``ActorPPOTrainer`` at four points: after each optimizer step
+(:meth:`ProxSources.after_optimizer_step`, EWMA), after each weight sync (:meth:`ProxSources.after_sync`,
+snapshots), when the experience maker asks for π_prox (:meth:`ProxSources.log_probs`) and, in interrupt mode,
+at each sync (:meth:`ProxSources.score_streams`). The stores and the weight swap are in ``prox.py``.
+
+Under ZeRO-3 every swapped forward gathers on every rank, so the ranks agree on which forwards to run
+(one small all-reduce through ``openrlhf_ess.distributed``, on the collective device).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from openrlhf_ess import distributed
+from openrlhf_ess.trainer import prox
+
+
+class ProxSources:
+    def __init__(self, args, engine, weight_version: int = 0, partitioned: Optional[bool] = None):
+        """``engine``: the actor's DeepSpeed engine (``actor.model``); ``partitioned``: ZeRO-3 (default: detected)."""
+        self.args, self.engine = args, engine
+        algo = args.algo
+        self.snapshots = self.ewma = None
+        self._seconds, self._forwards, self._missing = 0.0, 0, 0
+        self._optimizer_steps_seen = 0
+        # ZeRO-3: snapshots and EWMA weights are this rank's partitions, swapped in on every rank at once
+        self.partitioned = prox.is_partitioned(self.module) if partitioned is None else partitioned
+        if algo.prox_mode in ("snapshot", "interrupt"):
+            # interrupt scores at each sync, so only the version the engines hold must be kept
+            self.snapshots = prox.WeightSnapshots(algo.prox_snapshots if algo.prox_mode == "snapshot" else 1)
+            self.snapshots.put(weight_version, self.module)
+        elif algo.prox_mode == "ewma":
+            self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def active(self) -> bool:
+        return self.snapshots is not None or self.ewma is not None
+
+    # ---- hooks the trainer calls ---------------------------------------------------------------------
+
+    def after_optimizer_step(self) -> None:
+        """PPO-EWMA averages the weights after every optimizer step (accumulation boundaries only)."""
+        if self.ewma is not None and self.engine.global_steps > self._optimizer_steps_seen:
+            self._optimizer_steps_seen = self.engine.global_steps
+            self.ewma.update(self.module)
+
+    def after_sync(self, version: int) -> None:
+        if self.snapshots is not None:
+            self.snapshots.put(version, self.module)
+
+    def _swapped(self, state):
+        """The module with ``state``'s weights for one block (all ranks together under ZeRO-3)."""
+        release = self.engine.optimizer.empty_partition_cache if self.partitioned else None
+        return prox.swapped_weights(self.module, state, release)
+
+    def agree(self, local: list, candidates: list) -> list:
+        """ZeRO-3: the candidates that any rank needs (each swapped forward gathers on every rank)."""
+        if not self.partitioned or not candidates:
+            return [c for c in candidates if c in local]
+        flags = distributed.all_reduce_max([float(c in local) for c in candidates])
+        return [c for c, f in zip(candidates, flags) if f > 0]
+
+    def log_probs(self, current: torch.Tensor, versions: torch.Tensor, forward, weight_version: int) -> torch.Tensor:
+        """π_prox per token for snapshot/ewma modes; ``current`` is the forward with the live weights.
+
+        snapshot: tokens of version v get the forward with v's weights (live weights for the current
+        version); a version no longer kept gives NaN, which the controller masks and counts (or stops
+        on, per --algo.prox_missing). ewma: one forward with the bias-corrected EWMA weights.
+        """
+        t0 = time.time()
+        if self.ewma is not None:
+            state = self.ewma.state()
+            if state is None:  # no optimizer step yet: the EWMA equals the initial weights
+                return current
+            with self._swapped(state):
+                out = forward()
+            self._forwards += 1
+        else:
+            out = current.clone()
+            stale = sorted(set(versions[versions >= 0].unique().tolist()) - {weight_version})
+            kept = self.snapshots.versions()  # the same on every rank
+            for version in stale:
+                if version not in kept:
+                    selected = versions == version
+                    out[selected] = float("nan")
+                    self._missing += int(selected.sum())
+            # under ZeRO-3 a rank without tokens of a version still joins that version's forward
+            for version in self.agree(stale, [v for v in kept if v != weight_version]):
+                with self._swapped(self.snapshots.get(version)):
+                    scored = forward()
+                selected = versions == version
+                out[selected] = scored[selected]
+                self._forwards += 1
+        self._seconds += time.time() - t0
+        return out
+
+    def score_streams(self, version: int, streams) -> list:
+        """interrupt mode, at the sync version -> version + 1: π_version of each token stream, scored with the
+        kept copy of ``version``'s weights (the live weights are already the next version's). Every actor rank
+        is called, some with no streams; under ZeRO-3 all of them run the same number of forwards."""
+        state = self.snapshots.get(version)
+        if state is None:
+            raise RuntimeError(f"interrupt mode: no copy of version {version} (kept: {self.snapshots.versions()})")
+        forwards = prox.forwards_needed(len(streams))
+        if self.partitioned:
+            forwards = int(distributed.all_reduce_max([forwards])[0])
+        if forwards == 0:
+            return []
+        t0 = time.time()
+        model = self.module
+        was_training = model.training
+        model.eval()
+        try:
+            with self._swapped(state):
+                out = prox.stream_log_probs(model, streams, self.args.rollout.temperature, forwards=forwards)
+        finally:
+            model.train(was_training)
+        self._seconds += time.time() - t0
+        self._forwards += 1
+        return out
+
+    def metrics(self) -> dict:
+        """Cost of the π_prox mode since the last call: extra forward time and count, host memory."""
+        stored = self.snapshots.nbytes() if self.snapshots is not None else self.ewma.nbytes()  # this rank's
+        out = {
+            "prox/extra_forward_seconds": self._seconds,
+            "prox/extra_forwards": float(self._forwards),
+            "prox/missing_version_tokens": float(self._missing),
+            "prox/host_memory_mb": stored / 2**20,
+        }
+        if self.ewma is not None:
+            out["prox/ewma_updates"] = float(self.ewma.n)
+        self._seconds, self._forwards, self._missing = 0.0, 0, 0
+        return out
+
+    # ---- checkpoint ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a restart needs to continue exactly: the PPO-EWMA average (snapshots need nothing: the
+        rollouts in flight at a checkpoint do not survive a restart, and versions restart consistently at 0).
+        Under ZeRO-3 the average is this rank's partition; DeepSpeed writes one client state per rank."""
+        if self.ewma is None:
+            return {}
+        return {"ewma": self.ewma.state_dict(), "partition_of": self.partition_owner()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.ewma is None or "ewma" not in state:
+            return
+        saved_owner = state.get("partition_of")
+        if saved_owner != self.partition_owner():
+            raise RuntimeError(
+                f"--algo.prox_mode ewma: this rank ({self.partition_owner()}) was given the EWMA weights saved "
+                f"by {saved_owner} (rank, ranks; None = unpartitioned). Resume with the same --ds.zero_stage and "
+                "number of actor ranks (--actor.num_nodes x --actor.num_gpus_per_node)."
+            )
+        check_partition_layout(self.module, state["ewma"]["avg"])
+        self.ewma.load_state_dict(state["ewma"])
+        self._optimizer_steps_seen = self.engine.global_steps
+
+    def partition_owner(self):
+        """(rank, ranks) whose partition this rank's stored weights are under ZeRO-3; None otherwise."""
+        if not self.partitioned:
+            return None
+        return (torch.distributed.get_rank(), torch.distributed.get_world_size())
+
+
+def check_partition_layout(module: torch.nn.Module, saved) -> None:
+    """EWMA weights saved under ZeRO-3 are this rank's partitions: they only fit the same layout."""
+    if not saved:
+        return
+    for name, p in module.named_parameters():
+        if name not in saved or saved[name].shape != prox.storage(p).shape:
+            raise RuntimeError(
+                f"--algo.prox_mode ewma: the checkpoint's EWMA weights do not fit this run's parameters "
+                f"({name}: saved {tuple(saved[name].shape) if name in saved else 'nothing'}, here "
+                f"{tuple(prox.storage(p).shape)}). Under ZeRO-3 they are per-rank partitions: resume with the "
+                "same --ds.zero_stage and number of actor ranks (--actor.num_nodes x --actor.num_gpus_per_node)."
+            )

@@ -1,0 +1,295 @@
+"""Weight sync to the vLLM engines and its check, on the actor side (``--vllm.sync_backend``, ``--vllm.sync_check_*``).
+
+One object per actor rank, called by ``ActorPPOTrainer`` at three points: the sync itself (``reload`` backend:
+:meth:`WeightSync.push`; other backends are upstream's broadcast), right after any sync
+(:meth:`WeightSync.after_sync`), and at the start of the next training step (:meth:`WeightSync.check_if_due`).
+The check of a sync runs at the start of the next training step, or, with ``--vllm.enable_sleep``, right after
+the sync, while the engines' weights are awake (:meth:`WeightSync.after_sync` says why).
+
+Memory discipline under ZeRO-3 (shared/DESIGN.md §7): every pass over the weights here gathers one parameter
+at a time (:func:`gathered_one_by_one`), like upstream's broadcast, so the peak extra device memory is the
+largest parameter, never the model. The host copies are another matter: the reload blob, the dedicated
+model's weights and the audit trail need the whole model once, on rank 0's host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+import deepspeed
+import ray
+import torch
+
+from openrlhf_ess.config import RELOAD_BACKEND
+from openrlhf_ess.trainer import sync_check
+
+SYNC_CANARY_TOKENS = 32
+
+
+def gathered_one_by_one(
+    named_params: Iterable[Tuple[str, torch.nn.Parameter]], zero3: bool
+) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """Yield each (name, parameter) with its full value, gathering one parameter at a time under ZeRO-3.
+
+    The parameter is released (back to its partition) as soon as the consumer asks for the next one. Every
+    rank must iterate over the same parameters in the same order (each gather is a collective).
+    """
+    for name, param in named_params:
+        with deepspeed.zero.GatheredParameters([param], enabled=zero3):
+            yield name, param
+
+
+class WeightSync:
+    """The actor side of the weight sync: the ``reload`` transport, the weights it sends, and the check."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer  # upstream's ActorPPOTrainer (ours): actor, args, vllm_engines, strategy
+        self.args = trainer.args
+        self.metrics: Dict[str, float] = {}
+        self._blob_for_dedicated = None  # (blob,) the reload sync just sent, kept for the dedicated model
+        self._loaded_engine_checksums = None  # reload: the engines' checksums taken right after the load
+        self._to_check, self._syncs_checked = False, 0
+        self._checked_metrics: Dict[str, float] = {}  # --vllm.enable_sleep: the check's, for the next step
+
+    # ---- what is synced ------------------------------------------------------------------------------
+
+    @property
+    def _zero3(self) -> bool:
+        return self.args.ds.zero_stage == 3
+
+    def synced_params(self) -> List[Tuple[str, torch.nn.Parameter]]:
+        """The parameters a sync sends, by HF name (upstream's rule: a VLM's frozen vision tower is not sent)."""
+        actor = self.trainer.actor
+        return [
+            (n, p)
+            for n, p in actor.model.module.named_parameters()
+            if p.requires_grad or not getattr(actor, "is_vlm", False)
+        ]
+
+    def synced_state(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The weights a sync sends, as contiguous CPU copies by HF name, on rank 0 (None on other ranks).
+
+        All ranks must call it (ZeRO-3 gathers, one parameter at a time). Shared by the reload sync, the
+        dedicated model's weights and the audit trail, so all three see the same tensors."""
+        rank0 = torch.distributed.get_rank() == 0
+        state = {}
+        for name, param in gathered_one_by_one(self.synced_params(), self._zero3):
+            if rank0:
+                state[name] = param.data.detach().to("cpu", copy=True).contiguous()
+        return state if rank0 else None
+
+    def weights_blob(self) -> Optional[bytes]:
+        """The full HF weights as safetensors bytes on rank 0 (None on other ranks; all ranks must call)."""
+        from safetensors.torch import save
+
+        state = self.synced_state()
+        return save(state) if state is not None else None
+
+    def blob_for_dedicated(self) -> Optional[bytes]:
+        """dedicated mode, right after a sync: the blob the reload backend has just sent to the engines (no second
+        gather and serialisation); after other backends, gathered now. Every rank must call it (each holds the
+        same decision: a kept blob, None on ranks other than 0, or a gather)."""
+        kept, self._blob_for_dedicated = self._blob_for_dedicated, None
+        return kept[0] if kept is not None else self.weights_blob()
+
+    def audit(self, version: int) -> None:
+        """--algo.prox_audit_dir: the weights of ``version``, as the engines received them (rank 0 writes)."""
+        folder = self.args.algo.prox_audit_dir
+        if not folder:
+            return
+        from safetensors.torch import save_file
+
+        state = self.synced_state()
+        if state is not None:
+            os.makedirs(folder, exist_ok=True)
+            save_file(state, os.path.join(folder, f"weights_v{version}.safetensors"))
+
+    # ---- the reload transport ------------------------------------------------------------------------
+
+    def push(self) -> None:
+        """``--vllm.sync_backend reload``, replacing upstream's per-tensor NCCL/gloo broadcast.
+
+        Rank 0 collects the full weights (gathered one parameter at a time under ZeRO-3), serialises them once
+        as a safetensors blob, and every engine loads it with vLLM's ``reload_weights``. Cost: one host copy of
+        the model per sync.
+        """
+        from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
+
+        blob = self.weights_blob()
+        if self.args.algo.prox_mode == "dedicated":  # the dedicated model is sent the same bytes next
+            self._blob_for_dedicated = (blob,)
+        if blob is not None:
+            checks = self.args.vllm.sync_check_tol > 0
+            loaded = ray.get(
+                [engine.load_weights_from_safetensors.remote(blob, checks) for engine in self.trainer.vllm_engines]
+            )
+            if checks:  # the engines' checksums right after the load, for the check at the next step
+                self._loaded_engine_checksums = [(r["checksums"], r["checksum_seconds"]) for r in loaded]
+        torch_dist_barrier_and_cuda_sync()
+
+    @staticmethod
+    def uses_reload(args) -> bool:
+        return args.vllm.sync_backend == RELOAD_BACKEND
+
+    # ---- the check -----------------------------------------------------------------------------------
+
+    @property
+    def engines_sleep(self) -> bool:
+        """``--vllm.enable_sleep``: the engines sleep between generations (upstream allows it only with
+        ``--train.colocate_all`` and without ``--train.async_enable``)."""
+        return bool(getattr(self.args.vllm, "enable_sleep", False))
+
+    def after_sync(self) -> None:
+        """Any backend, right after the weights reached the engines (all ranks): check them.
+
+        Default: at the start of the next training step (:meth:`check_if_due`), not here: with partial
+        rollouts the engines are paused until the sync returns, and a paused engine would never answer the
+        canary.
+
+        ``--vllm.enable_sleep``: here, now. Upstream puts the engines to sleep after every generation (vLLM
+        level 1: weights offloaded to the host and their device memory unmapped, KV cache discarded, scheduler
+        paused until nothing is asleep), so by the next training step the checksums would read unmapped memory
+        and the canary would wait forever in a paused scheduler. Now the controller has just woken their
+        weights for this sync, and nothing generates (sleep mode is synchronous: no async training, no partial
+        rollouts). The metrics are reported by the next training step, as by default. The trainer's side is
+        fine here with ``--ds.enable_sleep`` too: upstream's ``offload_deepspeed_states`` (after ``fit``) moves the
+        optimizer states, fp32 master weights and gradients to the host, not the 16-bit weights that the checksums
+        and the canary forward read, as upstream's own sync and experience-making forward do in the same state.
+        """
+        if self.args.vllm.sync_check_tol <= 0:
+            return
+        if self.engines_sleep:
+            self.metrics = {}
+            self.check()
+            self._checked_metrics = self.metrics
+        else:
+            self._to_check = True
+
+    def check_if_due(self) -> Dict[str, float]:
+        """At the start of a training step: check the last sync (all ranks), unless ``--vllm.enable_sleep``
+        checked it at the sync already; returns the check's metrics."""
+        self.metrics, self._checked_metrics = self._checked_metrics, {}
+        if self._to_check:  # the engines still hold the weights of the last sync, and are running
+            self._to_check = False
+            self.check()
+        return self.metrics
+
+    def trainer_checksums(self) -> Optional[Dict[str, sync_check.Checksum]]:
+        """Per-tensor checksums of the synced weights, by the engine's (fused) names, on rank 0 (None elsewhere).
+
+        All ranks must call it: under ZeRO-3 each parameter is gathered, one at a time, and summed on its device
+        (float64, one parameter's worth of extra memory) before the next is gathered."""
+        rank0 = torch.distributed.get_rank() == 0
+        sums = []
+        for name, param in gathered_one_by_one(self.synced_params(), self._zero3):
+            if rank0:
+                sums.append((name, sync_check.checksum(param.data)))
+        return sync_check.combine_checksums(sums) if rank0 else None
+
+    def check(self) -> None:
+        """Compare the trainer's and every engine's weights (per-tensor checksums, every sync) and log-probs
+        on a fixed canary (the first sync, then every --vllm.sync_check_canary_every syncs).
+
+        All ranks take part (ZeRO-3 gathers), rank 0 compares. A mismatch stops the run: training on rollouts
+        from wrong weights fails silently. The last sync of a run is not checked, except with --vllm.enable_sleep
+        (checked at the sync).
+        """
+        canary = self._syncs_checked % self.args.vllm.sync_check_canary_every == 0
+        self._syncs_checked += 1
+        ours = self.trainer_checksums()
+        if torch.distributed.get_rank() == 0:
+            dtype = str(self.trainer.actor.model.module.parameters().__next__().dtype)
+            self._check_checksums(ours, dtype)
+        if canary:
+            self._check_canary()
+
+    def _check_canary(self) -> None:
+        t0 = time.time()
+        model = self.trainer.actor.model
+        vocab = model.module.config.vocab_size
+        g = torch.Generator().manual_seed(1234)
+        ids = torch.randint(min(4, vocab - 1), vocab, (1, SYNC_CANARY_TOKENS), generator=g)
+        device = torch.cuda.current_device()
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device)).logits
+        if was_training:
+            model.train()
+        if torch.distributed.get_rank() != 0:
+            return
+        ours = logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
+        engines = self.trainer.vllm_engines
+        with self._engines_can_generate(engines):
+            theirs = ray.get([engine.prompt_log_probs.remote(ids[0].tolist()) for engine in engines])
+        diffs = [(ours - torch.tensor(lp)).abs().mean().item() for lp in theirs]
+        self.metrics.update({"sync/canary_mean_abs_diff": max(diffs), "sync/canary_seconds": time.time() - t0})
+        tol = self.args.vllm.sync_check_tol
+        # NaN compares False with everything: a NaN diff (NaN weights on either side) must fail too
+        bad = [i for i, d in enumerate(diffs) if not (math.isfinite(d) and d <= tol)]
+        if bad:
+            raise RuntimeError(
+                f"weight sync check failed after version {self.trainer.weight_version}: vLLM engine(s) {bad} give "
+                f"canary log-probs {max(diffs):.3f} nats (mean |diff|) away from the trainer's, above "
+                f"--vllm.sync_check_tol {tol}. The engines are not generating with the trained weights (sync backend "
+                f"{self.args.vllm.sync_backend!r}): on machines without working NCCL use --vllm.sync_backend reload; "
+                "raise the tolerance only if engine and trainer dtypes differ a lot."
+            )
+
+    @contextlib.contextmanager
+    def _engines_can_generate(self, engines):
+        """Rank 0, around the canary, a generate request: it needs the engines' KV cache and a running scheduler.
+
+        Default: the engines are awake. ``--vllm.enable_sleep`` (the check runs at the sync): only their weights
+        are awake, and vLLM keeps the scheduler paused while anything is asleep. Wake the KV cache (vLLM then
+        resumes the scheduler), and afterwards put the engines back to sleep as upstream does after generating
+        (level 1), so that until the next generation they hold no KV cache, as upstream intends (a checkpoint
+        save may come first); that generation's ``wake_up()`` wakes both. Cost, on canary syncs only: one more
+        offload and reload of the engine weights (host <-> device copies)."""
+        if not self.engines_sleep:
+            yield
+            return
+        ray.get([engine.wake_up.remote(tags=["kv_cache"]) for engine in engines])
+        try:
+            yield
+        finally:
+            ray.get([engine.sleep.remote() for engine in engines])
+
+    def _check_checksums(self, ours, dtype: str) -> None:
+        """Per-tensor check (rank 0): every engine's weight sums against the trainer's, by tensor name."""
+        t0 = time.time()
+        compared_all, notes = 0, []
+        loaded, self._loaded_engine_checksums = self._loaded_engine_checksums, None
+        if loaded is not None:  # reload backend: taken by the engines right after the load, while idle
+            results, engine_seconds = [r for r, _ in loaded], sum(sec for _, sec in loaded)
+        else:  # other backends: ask the engines now
+            results = ray.get([engine.weight_checksums.remote() for engine in self.trainer.vllm_engines])
+            engine_seconds = 0.0
+        for i, result in enumerate(results):
+            if result is None:
+                continue  # tensor-parallel engine: the canary alone checks it
+            engine_dtype, theirs = result
+            tol = sync_check.SAME_DTYPE_TOL if engine_dtype == dtype else sync_check.CAST_TOL
+            bad, compared = sync_check.mismatched(ours, theirs, tol)
+            compared_all += compared
+            if bad:
+                notes.append(
+                    f"engine {i}: {len(bad)} of {compared} tensors differ ({', '.join(bad[:5])}"
+                    f"{', ...' if len(bad) > 5 else ''})"
+                )
+        self.metrics.update(
+            {
+                "sync/checksum_tensors_compared": float(compared_all),
+                "sync/checksum_seconds": time.time() - t0 + engine_seconds,
+            }
+        )
+        if notes:
+            raise RuntimeError(
+                f"weight sync check failed after version {self.trainer.weight_version}: the engines do not hold "
+                f"the trained weights: {'; '.join(notes)}. Sync backend {self.args.vllm.sync_backend!r}: on machines "
+                "without working NCCL use --vllm.sync_backend reload; --vllm.sync_check_tol 0 disables the check."
+            )
