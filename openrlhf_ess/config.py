@@ -193,7 +193,8 @@ def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="With --algo.kl.use_loss: backprop the unbiased reverse-KL gradient under off-policy sampling, "
         "from the k2 surrogate 0.5*(log pi_theta - log pi_ref)^2 weighted by the detached decoupled weight "
-        "(pi_theta/pi_prox)*min(pi_prox/mu, C) (C = --algo.tis_cap, else 10); the logged value stays "
+        "min((pi_theta/pi_prox)*d, 10), d = min(pi_prox/mu, C) per token, or per sequence with --algo.tis_level seq "
+        "(C = --algo.tis_cap, else 10; 10 is upstream's KL IS-weight bound); the logged value stays "
         "--algo.kl.estimator's (straight-through). Upstream's --algo.kl.unbiased_gradient weights by "
         "pi_theta/pi_old only, ignoring the train/inference discrepancy.",
     )

@@ -29,13 +29,14 @@ def _hand_value(lp, ref, est):
 
 
 def _hand_weight(lp, prox, mu, cap):
-    # w = (π_θ/π_prox) · min(π_prox/μ, C) as plain ratios (no log space); π_prox = π_θ when prox is None.
+    # w = min((π_θ/π_prox) · min(π_prox/μ, C), 10) as plain ratios (no log space); π_prox = π_θ when prox is None.
     prox_eff = lp if prox is None else prox
     staleness = torch.ones_like(lp) if prox is None else torch.exp(lp) / torch.exp(prox)
     if mu is None:
-        return staleness
+        return staleness.clamp(max=10.0)
     disc = torch.exp(prox_eff) / torch.exp(mu)
-    return staleness * (disc if cap is None else torch.minimum(disc, torch.tensor(cap, dtype=lp.dtype)))
+    w = staleness * (disc if cap is None else torch.minimum(disc, torch.tensor(cap, dtype=lp.dtype)))
+    return w.clamp(max=10.0)
 
 
 def _value_and_grad(lp, *args, **kwargs):
@@ -199,6 +200,45 @@ def test_tis_cap_binds_with_hand_values():
     assert torch.equal(grad_loose, grad)
 
 
+def test_whole_weight_is_bounded_by_upstreams_kl_is_weight_clip():
+    from openrlhf_ess import cpu_compat
+
+    cpu_compat.apply()
+    from openrlhf.models.utils import KL_IS_WEIGHT_CLIP
+
+    assert C.K2_IS_WEIGHT_CLIP == KL_IS_WEIGHT_CLIP == 10.0  # one bound for both KL IS weights
+    lp = torch.tensor([[0.0, 0.0, 0.0]], dtype=F64)
+    ref = lp - 1.0  # x = 1 everywhere: grad = w
+    prox = torch.tensor([[-3.0, -2.0, -1.0]], dtype=F64)  # π_θ/π_prox = [e³, e², e] = [20.09, 7.389, 2.718]
+    mu = prox - 1.0  # π_prox/μ = e = 2.718, capped at C = 2
+    _, grad = _value_and_grad(lp, ref, prox, mu, tis_cap=2.0)
+    # w = min(π_θ/π_prox · 2, 10) = [min(40.17, 10), min(14.78, 10), 5.4366] = [10, 10, 2e]
+    assert grad[0].tolist() == pytest.approx([10.0, 10.0, 2 * math.e], rel=1e-12)
+    # Without μ the staleness factor alone is bounded too: [min(20.09, 10), 7.389, 2.718].
+    _, grad = _value_and_grad(lp, ref, prox)
+    assert grad[0].tolist() == pytest.approx([10.0, math.exp(2), math.e], rel=1e-12)
+
+
+def test_sequence_level_discrepancy_factor_is_the_policy_losss_weight():
+    # --algo.tis_level seq: the factor π_prox/μ is each sequence's capped geometric mean, as in the policy loss.
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])  # row 0 left-padded: column 0 is a prompt position
+    lp = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]], dtype=F64)
+    ref = lp - 1.0  # x = 1 everywhere: grad = w
+    prox = lp - torch.tensor([[5.0, 0.1, -0.1], [0.0, 0.2, 2.0]], dtype=F64)  # log π_θ/π_prox
+    mu = prox - torch.tensor([[7.0, 0.2, 0.6], [1.0, 1.0, 0.7]], dtype=F64)  # log π_prox/μ (row 0 col 0 masked)
+    # row 0: d = min(exp((0.2 + 0.6)/2), 2) = e^0.4; w = [–, e^0.1·e^0.4, e^−0.1·e^0.4] = [–, e^0.5, e^0.3]
+    # row 1: d = min(exp((1 + 1 + 0.7)/3), 2) = min(e^0.9 = 2.4596, 2) = 2; w = [2, 2e^0.2, min(2e², 10) = 10]
+    want = [[math.exp(0.5), math.exp(0.3)], [2.0, 2 * math.exp(0.2), 10.0]]
+    _, grad = _value_and_grad(lp, ref, prox, mu, tis_cap=2.0, tis_level="seq", action_mask=mask)
+    assert grad[0, 1:].tolist() == pytest.approx(want[0], rel=1e-6)  # the TIS weight is float32
+    assert grad[1].tolist() == pytest.approx(want[1], rel=1e-6)
+    # token level (the default) would give row 0 [–, e^0.1·e^0.2, e^−0.1·e^0.6] = [–, e^0.3, e^0.5]
+    _, grad_tok = _value_and_grad(lp, ref, prox, mu, tis_cap=2.0)
+    assert grad_tok[0, 1:].tolist() == pytest.approx([math.exp(0.3), math.exp(0.5)], rel=1e-12)
+    with pytest.raises(ValueError, match="action_mask"):
+        C.kl_loss_k2(lp, ref, prox, mu, tis_cap=2.0, tis_level="seq")
+
+
 # ---- 4. extreme log-probs ------------------------------------------------------------------------------------
 
 
@@ -218,8 +258,8 @@ def test_extreme_log_probs_stay_finite(est, cap):
     if est == "k3":
         # x = −1e4 saturates at e^20 − 21 ≈ 4.852e8; x = +1e4 gives e^{−1e4} − 1 + 1e4 = 9999.
         assert value[0].tolist() == pytest.approx([485165174.41, 9999.0, 0.0, 485165174.41, 0.0], rel=1e-6)
-    # Token 1 (x = 1e4): log w = (0 − 0) + min(0 + 1e4, log C) → w = C, or e^{20} uncapped (bound).
-    assert grad[0, 1].item() == pytest.approx((cap or math.exp(20)) * big, rel=1e-6)
+    # Token 1 (x = 1e4): log w = (0 − 0) + min(0 + 1e4, log C) → w = C, or upstream's bound 10 uncapped.
+    assert grad[0, 1].item() == pytest.approx((cap or 10.0) * big, rel=1e-6)
 
 
 def test_rejects_bad_arguments():

@@ -83,3 +83,94 @@ def test_ess_lr_on_deepspeed(tiny_world, tmp_path, zero, dtype, accum):
 @pytest.mark.parametrize("zero,dtype,accum", [c for c in MATRIX if c not in FAST], ids=lambda v: str(v))
 def test_ess_lr_on_deepspeed_full_matrix(tiny_world, tmp_path, zero, dtype, accum):
     _check(tiny_world, tmp_path, zero, dtype, accum)
+
+
+# ---- the hook and the scale on their own (CPU, no DeepSpeed): failures must not leak a scaled LR ------------
+
+
+class _FlakySGD(torch.optim.SGD):
+    """SGD that records the LR each step runs at and raises once when told to (an OOM, a NaN check)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.seen, self.fail_next = [], False
+
+    def step(self, closure=None):
+        self.seen.append(self.param_groups[0]["lr"])
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("step failed")
+        return super().step(closure)
+
+
+def _flaky_optimizer():
+    from openrlhf_ess.trainer import ess_lr
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.ones(2)
+    opt = _FlakySGD([param], lr=0.1)
+    return opt, ess_lr.LrScaleHook(opt)
+
+
+def test_lr_restored_when_step_raises_out_of_the_block():
+    opt, hook = _flaky_optimizer()
+    opt.fail_next = True
+    with pytest.raises(RuntimeError, match="step failed"):
+        with hook.applied(0.5):
+            opt.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)  # the post-hook never ran; applied() restored it
+    with hook.applied(0.5):
+        opt.step()
+    # both steps ran at 0.1 × 0.5 = 0.05; without the restore the second would run at 0.05 × 0.5 = 0.025
+    assert opt.seen == pytest.approx([0.05, 0.05])
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_lr_not_compounded_when_step_raises_inside_the_block():
+    opt, hook = _flaky_optimizer()
+    with hook.applied(0.5):
+        opt.fail_next = True
+        with pytest.raises(RuntimeError, match="step failed"):
+            opt.step()
+        opt.step()  # the caller caught it and goes on: the pre-hook must not save 0.05 as the "original"
+    assert opt.seen == pytest.approx([0.05, 0.05])  # not [0.05, 0.025]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def _items(prox):
+    """Replay-buffer items of two 3-token responses with μ = 0 and π_prox = ``prox``, left-padded by one."""
+    from openrlhf.trainer.ppo_utils.experience import Experience, split_experience_batch
+
+    exp = Experience(
+        sequences=torch.zeros(2, 5, dtype=torch.long),
+        action_mask=torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1]]),
+        attention_mask=torch.ones(2, 5, dtype=torch.long),
+        action_log_probs=prox,
+        rollout_log_probs=torch.zeros(2, 4),
+    )
+    return split_experience_batch(exp)
+
+
+def test_finite_scale_by_hand():
+    from openrlhf_ess.trainer import ess_lr
+
+    log5 = math.log(5.0)
+    scale, metrics = ess_lr.global_lr_scale(
+        _items(torch.tensor([[0.0] * 4, [0.0] + [log5] * 3])), "geo_mean", "sqrt", 0.1
+    )
+    # w = [1, 5]: ρ = (Σw)² / (B Σw²) = 36 / (2·26) = 9/13, scale = √(9/13)
+    assert scale == pytest.approx(SCALE, rel=1e-6) and metrics["rho_ess"] == pytest.approx(9 / 13, rel=1e-6)
+    assert metrics["ess_lr_nonfinite"] == 0.0 and metrics["ess_lr_missing"] == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_rho_falls_back_to_scale_one(bad, caplog):
+    from openrlhf_ess.trainer import ess_lr
+
+    prox = torch.zeros(2, 4)
+    prox[0, 2] = bad  # a response token: log w_0 = bad/3, so log Σw and ρ = exp(2 log Σw − log Σw²)/B are NaN
+    with caplog.at_level("WARNING", logger=ess_lr.__name__):
+        scale, metrics = ess_lr.global_lr_scale(_items(prox), "geo_mean", "sqrt", 0.1)
+    assert scale == 1.0 and metrics["lr_scale"] == 1.0
+    assert metrics["ess_lr_nonfinite"] == 1.0 and metrics["ess_lr_missing"] == 0.0
+    assert "not finite" in caplog.text and "rho=nan" in caplog.text

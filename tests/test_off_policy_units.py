@@ -91,10 +91,13 @@ def test_sequence_tis_loss_matches_hand_computation():
     B, T = 3, 4
     log_probs = (-torch.rand(B, T)).requires_grad_()
     old = log_probs.detach() + 0.3 * torch.randn(B, T)
-    mu = old - 0.5 * torch.randn(B, 1)  # per-sequence discrepancy
+    # per-sequence discrepancy log(π_prox/μ) = [0.6, −0.3, 0.1]: w = [min(e^0.6 = 1.822, 1.5), e^−0.3, e^0.1]
+    mu = old - torch.tensor([[0.6], [-0.3], [0.1]])
     adv = torch.randn(B, T)
+    # Left-padded responses: the first columns are prompt/padding positions (action_mask 0), as in a real batch.
     mask = torch.ones(B, T)
-    mask[2, 3] = 0
+    mask[:, 0] = 0
+    mask[1, 1] = 0
     base = UpstreamPolicyLoss(clip_eps_low=0.2, clip_eps_high=0.2)
     ours = PolicyLoss.from_upstream(base, tis_cap=1.5, tis_level="seq")
     loss, _, _, vllm_kl, clipped = ours(log_probs, old, adv, action_mask=mask, rollout_log_probs=mu)
@@ -108,7 +111,53 @@ def test_sequence_tis_loss_matches_hand_computation():
     g_hand = torch.autograd.grad(expected, log_probs)[0]
     assert torch.allclose(g_ours, g_hand, atol=1e-7)
     assert clipped.item() == pytest.approx((w[:, 0] >= 1.5 * (1 - 1e-6)).float().mean().item())
+    # w = [1.5 (capped), 0.741, 1.105]: one sequence of three truncated, whichever columns are masked
+    assert clipped.item() == pytest.approx(1 / 3)
     assert vllm_kl.item() == pytest.approx((((mu - old) * mask).sum() / mask.sum()).item(), rel=1e-6)
+
+
+def test_sequence_tis_clip_metric_counts_truncated_sequences_of_left_padded_batch():
+    # Left-padded batch: column 0 is a prompt/padding position in every row, so it must not be read.
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]])
+    prox = torch.zeros(4, 4)
+    l4, l3 = math.log(4.0), math.log(3.0)
+    mu = -torch.tensor([[9.0, 9.0, l4, l4], [9.0, 0.0, 0.0, 0.0], [9.0, 9.0, 9.0, l3], [0.0] * 4])
+    # log(π_prox/μ) on response tokens: row 0 [log 4, log 4] -> w = min(4, 2) = 2, truncated;
+    # row 1 [0, 0, 0] -> w = 1; row 2 [log 3] -> w = min(3, 2) = 2, truncated; row 3 has no response token.
+    ours = PolicyLoss.from_upstream(UpstreamPolicyLoss(), tis_cap=2.0, tis_level="seq")
+    *_, clipped = ours(prox, prox, torch.ones(4, 4), action_mask=mask, rollout_log_probs=mu)
+    # 2 of the 3 sequences with a response are truncated; the empty row is not a sequence of the loss
+    assert clipped.item() == pytest.approx(2 / 3)
+
+
+# As openrlhf_ess/config.py configures upstream's PolicyLoss for --algo.tis_cap 2 at each level.
+_UPSTREAM_FOR_TIS = {
+    "token": dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=[0.0, 2.0]),
+    "seq": {},
+}
+
+
+@pytest.mark.parametrize("level", ["token", "seq"])
+def test_tis_without_rollout_log_probs_names_the_flag(level):
+    ours = PolicyLoss.from_upstream(UpstreamPolicyLoss(**_UPSTREAM_FOR_TIS[level]), tis_cap=2.0, tis_level=level)
+    lp = torch.zeros(2, 3)
+    with pytest.raises(RuntimeError, match=r"--algo\.tis_cap.*rollout log-probs \(μ\) are missing"):
+        ours(lp, lp, torch.ones(2, 3), action_mask=torch.ones(2, 3), rollout_log_probs=None)
+
+
+def test_token_tis_through_our_loss_is_upstreams_bit_for_bit():
+    # Wrapping the token-level loss (for the μ check) must not change a single bit of upstream's result.
+    torch.manual_seed(2)
+    log_probs = -torch.rand(2, 5)
+    old = log_probs + 0.2 * torch.randn(2, 5)
+    mu = old - torch.randn(2, 5)
+    adv = torch.randn(2, 5)
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 0]])
+    base = UpstreamPolicyLoss(**_UPSTREAM_FOR_TIS["token"])
+    ours = PolicyLoss.from_upstream(base, tis_cap=2.0, tis_level="token")
+    got = ours(log_probs, old, adv, action_mask=mask, rollout_log_probs=mu)
+    want = base(log_probs, old, adv, action_mask=mask, rollout_log_probs=mu)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_token_tis_through_upstream_flags_equals_hand_computation():

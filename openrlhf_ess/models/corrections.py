@@ -84,7 +84,10 @@ def ess_ratio(log_w: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def lr_scale_from_rho(rho: torch.Tensor, floor: float, rule: str = "sqrt") -> torch.Tensor:
-    r"""LR multiplier: clamp(√ρ, floor, 1) (``sqrt``, VCPO) or clamp(ρ, floor, 1) (``linear``)."""
+    r"""LR multiplier: clamp(√ρ, floor, 1) (``sqrt``, VCPO) or clamp(ρ, floor, 1) (``linear``).
+
+    A NaN ρ gives a NaN scale (clamp passes NaN): ``ess_lr.global_lr_scale`` falls back to 1 then.
+    """
     if rule not in ESS_RULES:
         raise ValueError(f"unknown ESS rule {rule!r}; expected one of {ESS_RULES}")
     if not 0 < floor <= 1 or math.isnan(floor):
@@ -163,10 +166,13 @@ def loglinear_prox_log_probs(
 # ---- KL-to-reference loss: k1/k2/k3 value, importance-weighted k2 gradient (DESIGN.md §2, k2 option) -------
 
 KL_VALUE_ESTIMATORS = ("k1", "k2", "k3")
-# Bound on log-space quantities before exp. exp(20) ≈ 4.9e8 keeps w and w·(log π_θ − log π_ref) finite in
-# float32 even for log-probs of −1e4, whereas exp(89) already overflows float32 to inf, and inf·0 (a token
-# with π_θ = π_ref) is NaN in both the surrogate and its gradient. A |log w| > 20 token is noise either way.
+# Bound on log-space quantities before exp: k3's exponent −x, and log w from below. exp(20) ≈ 4.9e8 stays
+# finite in float32 even for log-probs of −1e4, whereas exp(89) already overflows float32 to inf, and inf·0
+# (a token with π_θ = π_ref) is NaN in both the value and its gradient.
 KL_LOG_BOUND = 20.0
+# Upper bound on the whole k2 weight w, the same as upstream's bound on its KL IS weight
+# (openrlhf.models.utils.KL_IS_WEIGHT_CLIP): no factor of w, staleness or discrepancy, can exceed it.
+K2_IS_WEIGHT_CLIP = 10.0
 
 
 def kl_loss_k2(
@@ -176,13 +182,17 @@ def kl_loss_k2(
     rollout_log_probs: torch.Tensor | None = None,
     tis_cap: float | None = None,
     value_estimator: str = "k3",
+    tis_level: str = "token",
+    action_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     r"""Per-token KL(π_θ‖π_ref) loss: forward value k1/k2/k3, gradient that of the weighted k2 surrogate.
 
     With x = log π_θ(a) − log π_ref(a) (``ref_log_probs`` = log π_ref, the frozen reference model):
 
         value  k1 = x,   k2 = ½ x²,   k3 = e^{−x} − 1 + x                     (``value_estimator``)
-        w      = (π_θ/π_prox) · min(π_prox/μ, C)                              (detached; decoupled weight)
+        w      = min((π_θ/π_prox) · d, W),   W = 10                           (detached; decoupled weight)
+        d      = min(π_prox(a_t)/μ(a_t), C)                                    (``tis_level="token"``)
+        d_i    = min(exp(mean_t log(π_prox/μ)), C), every token of sequence i (``tis_level="seq"``)
         out    = value + w · ½ x² − stopgrad(w · ½ x²)                         (straight-through)
 
     so ``out`` equals the chosen estimator and ∂out/∂log π_θ = w · x. Why: the reverse-KL gradient is
@@ -190,13 +200,16 @@ def kl_loss_k2(
     integrand. Tokens are sampled from μ (the inference engine, possibly stale), so the expectation needs
     the importance weight π_θ/μ = (π_θ/π_prox)(π_prox/μ); the second (train/inference discrepancy) factor is
     TIS-capped at C as in the policy loss (DESIGN.md §2), which trades a little bias for bounded variance.
+    d follows the TIS level: it is the very weight :func:`tis_weights` gives the policy loss, per token or
+    per sequence. The whole weight is then bounded by W = :data:`K2_IS_WEIGHT_CLIP`, upstream's bound on its
+    KL IS weight, so the staleness factor π_θ/π_prox (which no cap touches) cannot blow up the gradient.
     By contrast k3 used directly as a loss has pathwise gradient (1 − π_ref/π_θ)∇log π_θ, whose on-policy
     expectation is ∇KL(π_ref‖π_θ), the *forward* KL: biased for the reverse KL it reports.
 
     Differs from upstream ``compute_approx_kl(..., unbiased_gradient=True)`` (``--algo.kl.unbiased_gradient``)
     only in the weight: upstream uses w = min(π_θ/π_old, 10), i.e. it ignores the train/inference
-    discrepancy π_prox/μ; we multiply by the TIS-capped min(π_prox/μ, C). We also do not clamp the value to
-    [−10, 10] (callers see the true estimate; only k3's exponent is bounded, see :data:`KL_LOG_BOUND`).
+    discrepancy π_prox/μ; we use min((π_θ/π_prox) · d, 10) with the TIS-capped d. We also do not clamp the
+    value to [−10, 10] (callers see the true estimate; only k3's exponent is bounded, see :data:`KL_LOG_BOUND`).
 
     Args:
         log_probs: (B, T) log π_θ(a_t), the only input that receives a gradient.
@@ -206,6 +219,9 @@ def kl_loss_k2(
         rollout_log_probs: (B, T) log μ(a_t), or None: no discrepancy factor (on-policy w.r.t. π_prox).
         tis_cap: C > 0, or None: the uncapped π_prox/μ. Ignored without ``rollout_log_probs``.
         value_estimator: one of :data:`KL_VALUE_ESTIMATORS`, the forward value only.
+        tis_level: one of :data:`TIS_LEVELS`, as ``--algo.tis_level``: per-token d (default) or the
+            sequence's geometric-mean d_i, which needs ``action_mask``.
+        action_mask: (B, T), 1 on response tokens; used only by ``tis_level="seq"`` (for the mean).
     Returns:
         (B, T) per-token loss in float32 (float64 if the inputs are), unmasked: the caller applies
         ``action_mask`` and the token/sequence mean.
@@ -218,6 +234,10 @@ def kl_loss_k2(
         raise ValueError(f"unknown KL value estimator {value_estimator!r}; expected one of {KL_VALUE_ESTIMATORS}")
     if tis_cap is not None and not tis_cap > 0:
         raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    if tis_level not in TIS_LEVELS:
+        raise ValueError(f"unknown TIS level {tis_level!r}; expected one of {TIS_LEVELS}")
+    if tis_level == "seq" and rollout_log_probs is not None and action_mask is None:
+        raise ValueError("tis_level='seq' averages log(pi_prox/mu) over each sequence's response: pass action_mask")
     # bf16 log-probs lose the small differences that KL is made of: compute in at least float32.
     dtype = torch.promote_types(log_probs.dtype, torch.float32)
     log_probs = log_probs.to(dtype)
@@ -232,16 +252,23 @@ def kl_loss_k2(
         x_k3 = x.clamp(min=-KL_LOG_BOUND)
         value = torch.exp(-x_k3) - 1 + x_k3
 
-    # log w = (log π_θ − log π_prox) + min(log π_prox − log μ, log C), in log space, exp once at the end.
+    # log w = min((log π_θ − log π_prox) + log d, log W), in log space, exp once at the end.
     log_theta = log_probs.detach()
     log_prox = log_theta if prox_log_probs is None else prox_log_probs.to(dtype)
     log_w = log_theta - log_prox
     if rollout_log_probs is not None:
-        log_disc = log_prox - rollout_log_probs.to(dtype)
-        if tis_cap is not None:
-            log_disc = log_disc.clamp(max=math.log(tis_cap))
+        if tis_level == "seq":
+            # The policy loss's own per-sequence weight (float32). It is 0 off the response: take d = 1 there
+            # rather than log 0 = −inf, which a +inf staleness term on a padding token would turn into NaN.
+            cap = tis_cap if tis_cap is not None else math.inf
+            d = tis_weights(log_prox, rollout_log_probs, action_mask, cap, "seq").to(dtype)
+            log_disc = torch.where(action_mask.bool(), d.log(), torch.zeros_like(d))
+        else:
+            log_disc = log_prox - rollout_log_probs.to(dtype)
+            if tis_cap is not None:
+                log_disc = log_disc.clamp(max=math.log(tis_cap))
         log_w = log_w + log_disc
-    w = log_w.clamp(-KL_LOG_BOUND, KL_LOG_BOUND).exp().detach()
+    w = log_w.clamp(-KL_LOG_BOUND, math.log(K2_IS_WEIGHT_CLIP)).exp().detach()
 
     surrogate = w * (0.5 * x.square())
     # Bracketed so the forward value is bit-exact: (value + s) − s would round value away when s ≫ value.

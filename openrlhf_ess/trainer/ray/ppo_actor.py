@@ -35,7 +35,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         # Weight syncs applied to the engines; tokens are tagged with it (shared/DESIGN.md §4).
         self.weight_version = 0
         algo = self.args.algo
-        if algo.tis_cap is not None and algo.tis_level == "seq":
+        if algo.tis_cap is not None:  # seq: the TIS maths; both levels: the check that μ reached the loss
             self.actor_loss_fn = PolicyLoss.from_upstream(self.actor_loss_fn, algo.tis_cap, algo.tis_level)
         self.prox = ProxSources(self.args, self.actor.model, self.weight_version)
         self.weight_sync = WeightSync(self)
@@ -60,7 +60,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         if not self.args.algo.kl.off_policy_k2_enable and self.prox.ewma is None:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
         if self.args.algo.kl.off_policy_k2_enable:
-            with kl_k2.context(experience.rollout_log_probs, self.args.algo):
+            with kl_k2.context(experience.rollout_log_probs, self.args.algo, experience.action_mask):
                 status = self._k2_training_step(experience, kl_ctl, step, loss_batch_info)
         else:
             status = super().training_step(experience, kl_ctl, step, loss_batch_info)
