@@ -67,7 +67,25 @@ def _runtime_env() -> dict:
         value = os.environ.get(key, default)
         if value is not None:
             env[key] = value
-    return {"env_vars": env, "worker_process_setup_hook": "openrlhf_ess.cpu_compat.apply"}
+    return {"env_vars": env, "worker_process_setup_hook": "openrlhf_ess.cli.train_ppo_ray.setup_worker"}
+
+
+def setup_worker() -> None:
+    """Ray's worker set-up hook: the CPU patches, and no "Exception ignored" traceback at teardown.
+
+    Ray's worker SIGTERM handler raises SystemExit. At the end of a run (upstream's trainer actor going out
+    of scope, then ray.shutdown()) it can land inside a finalizer such as ``ActorHandle.__del__``, where Python
+    cannot raise it: it prints "Exception ignored in ... SystemExit: 1" with a traceback instead, and the
+    process exits all the same. Measured: 1 in ~7 async runs with two actor ranks ended with that traceback.
+    """
+    cpu_compat.apply()
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not isinstance(unraisable.exc_value, SystemExit):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def init_ray(args) -> None:

@@ -123,6 +123,9 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         self._inflight: Dict[str, _Progress] = {}
         self._finished: List[_Progress] = []  # requests finished since the last outgoing_streams()
         await super().__init__(*args, **kwargs)
+        # The sync check's canary (prompt_log_probs) is no rollout: it must not be tagged, nor reported to the
+        # interrupt/dedicated π_prox modes as a stream to score at the next sync.
+        self._untracked_generate = self.llm.generate
         if track_versions:
             self.executor = _VersionTaggingExecutor(self.executor)
             self.llm.generate = self._tracking_stream(self.llm.generate)
@@ -160,7 +163,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         final = None
-        async for output in self.llm.generate(
+        async for output in self._untracked_generate(
             TokensPrompt(prompt_token_ids=token_ids), params, request_id=random_uuid()
         ):
             final = output
