@@ -12,12 +12,13 @@ from openrlhf_ess.cli import train_ppo_ray as cli
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "bad_inputs.md")
 
 
-def _doc_rows():
-    """(flags, error name, message) for each row of the bad-input table in docs/bad_inputs.md."""
+def _doc_rows(preflight: bool = False):
+    """(flags, error name, message) for each row of a bad-input table in docs/bad_inputs.md: the rows rejected by
+    parse_args, or (``preflight``) those rejected by ``openrlhf_ess.preflight.check`` (tests/test_preflight.py)."""
     rows = []
     for line in open(DOC):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0].startswith("`--"):
+        if len(cells) == 3 and cells[0].startswith("`--") and ("pre-flight" in cells[1]) == preflight:
             flags = shlex.split(cells[0].strip("`"))
             rows.append((flags, cells[1].split()[0], cells[2].strip("`")))
     return rows

@@ -20,7 +20,7 @@ from openrlhf_ess import cpu_compat
 
 cpu_compat.apply()
 
-from openrlhf_ess import config, upstream  # noqa: E402
+from openrlhf_ess import config, preflight, upstream  # noqa: E402
 
 # Environment variables forwarded to every Ray worker, with the defaults the CPU stack needs.
 _FORWARDED_ENV = {
@@ -218,6 +218,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     upstream.check_version()
     try:
         args, notices = parse_args(argv)
+        # Every input (models, prompt files, reward file, output folders, float flags) checked before Ray starts.
+        notices += preflight.check(args)
     except config.ConfigError as e:
         print(f"openrlhf-ess: error: {e}", file=sys.stderr)
         sys.exit(2)
