@@ -14,13 +14,14 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 from typing import List, Optional
 
 from openrlhf_ess import cpu_compat
 
 cpu_compat.apply()
 
-from openrlhf_ess import config, preflight, upstream  # noqa: E402
+from openrlhf_ess import config, preflight, resources, upstream  # noqa: E402
 
 # Environment variables forwarded to every Ray worker, with the defaults the CPU stack needs.
 _FORWARDED_ENV = {
@@ -126,8 +127,20 @@ def init_ray(args) -> None:
     )
 
 
-class ActorDied(RuntimeError):
+class RunFailed(RuntimeError):
+    """The run stopped on an error we explain: ``main()`` prints Ray's report (the ``__cause__``), then our message."""
+
+
+class ActorDied(RunFailed):
     """A Ray actor of the run died (engine, trainer or controller): the run stops; the message says what to do."""
+
+
+class StartupFailed(RunFailed):
+    """An actor (or the driver) failed before training began: a bad input or the machine, never a resume case."""
+
+
+class EngineDied(RunFailed):
+    """A vLLM engine's own processes (EngineCore, its workers) died: vLLM raised ``EngineDeadError``."""
 
 
 # Ray actor classes of a run, by role (class names: upstream's and our subclasses, which append "Impl").
@@ -140,7 +153,89 @@ _ACTOR_ROLES = (
     ("GenerateSamplesActor", "async rollout generator"),
     ("TrainingActor", "async training controller"),
     ("PPOTrainer", "PPO controller"),
+    ("ProxScorer", "dedicated pi_prox model"),
+    ("VLLMLock", "async engine lock"),
 )
+
+# What each role loads at start-up, and so where a start-up error comes from (by class name, as above); the
+# second text replaces the first when the error is about memory.
+_STARTUP_FIX = (
+    (
+        "RolloutRayActor",
+        "the vLLM engine loads --actor.model_name_or_path with vLLM and imports the reward file "
+        "(--reward.remote_url) or agent (--train.agent_func_path): fix the one the error names",
+        "lower --vllm.cpu_kv_cache_gb (CPU) or --vllm.gpu_memory_utilization (GPU), or --data.max_len",
+    ),
+    (
+        "PolicyModelActor",
+        "the policy rank loads --actor.model_name_or_path with DeepSpeed (--ds.* flags): check that folder (a "
+        "config.json and weights that load)",
+        "a higher --ds.zero_stage, a smaller --train.micro_batch_size, or more --actor.num_gpus_per_node",
+    ),
+    (
+        "ReferenceModelActor",
+        "the reference model loads --actor.model_name_or_path (upstream's choice): check that folder",
+        "a higher --ds.zero_stage or --train.colocate_actor_ref",
+    ),
+    (
+        "CriticModelActor",
+        "the critic loads --critic.model_name_or_path (default: the policy's): check that folder",
+        "a higher --ds.zero_stage or a smaller --train.micro_batch_size",
+    ),
+    (
+        "RewardModelActor",
+        "the reward model loads --reward.model_name_or_path: check that folder",
+        "a higher --ds.zero_stage or more --reward.num_gpus_per_node",
+    ),
+    (
+        "TrainingActor",
+        "the async trainer sets up the weight sync and restores the checkpoint state (--ckpt.load_enable, "
+        "--ckpt.path): check those",
+        "a smaller --train.async_queue_size",
+    ),
+    (
+        "ProxScorer",
+        "the dedicated pi_prox model loads --actor.model_name_or_path: check that folder",
+        "more --algo.prox_dedicated_num_gpus, or --algo.prox_mode interrupt (no extra model)",
+    ),
+    (
+        "GenerateSamplesActor",
+        "the rollout generator loads the tokenizer of --actor.model_name_or_path and the prompts "
+        "(--data.prompt_dataset, --data.input_key, --data.label_key, --eval.dataset): fix the one the error names",
+        "a smaller --data.max_samples",
+    ),
+    (
+        "PPOTrainer",
+        "the controller loads the tokenizer of --actor.model_name_or_path and the prompts (--data.prompt_dataset, "
+        "--data.input_key, --data.label_key, --eval.dataset): fix the one the error names",
+        "a smaller --data.max_samples",
+    ),
+)
+_MEMORY = re.compile(r"out of memory|MemoryError|\bOOM\b|Cannot allocate memory|memory pressure", re.I)
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_HEADER = re.compile(r"ray::(\w+)\.[^\s(]+\(\)[^\n]*?\bpid=(\d+)")
+
+
+def _role(cls: str) -> str:
+    return next((r for key, r in _ACTOR_ROLES if key in cls), "Ray actor")
+
+
+def _logs_hint(args) -> str:
+    if args.ray.temp_dir and not (args.ray.address or os.environ.get("RAY_ADDRESS")):
+        return f"Ray's logs of every process are under {os.path.join(args.ray.temp_dir, 'session_latest', 'logs')}"
+    return "pass --ray.temp_dir DIR to keep Ray's per-process logs"
+
+
+def _chain(exc: Optional[BaseException]) -> List[BaseException]:
+    """``exc`` and what it wraps, outermost first: Ray's ``RayTaskError.cause`` (one per caller the error
+    passed through: engine -> generator -> controller -> driver), else Python's ``__cause__``."""
+    out: List[BaseException] = []
+    while exc is not None and all(exc is not seen for seen in out):
+        out.append(exc)
+        nxt = getattr(exc, "cause", None)
+        exc = nxt if isinstance(nxt, BaseException) else exc.__cause__
+    return out
 
 
 def dead_actor(exc: BaseException):
@@ -151,66 +246,276 @@ def dead_actor(exc: BaseException):
     """
     import ray
 
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, ray.exceptions.RayActorError) and not isinstance(exc, ray.exceptions.RayTaskError):
-            return exc
-        exc = getattr(exc, "cause", None) or exc.__cause__
+    for e in _chain(exc):
+        if isinstance(e, ray.exceptions.RayActorError) and not isinstance(e, ray.exceptions.RayTaskError):
+            return e
     return None
+
+
+def exception_line(text: str) -> Optional[str]:
+    """The header line (``Type: message``) of the last Python traceback in ``text``, module prefix dropped.
+
+    Works on Ray's renderings too, where the ``Traceback (most recent call last):`` line is replaced by the
+    process title (``ray::Class.method() (pid=..., ...)``): after the last such line come the indented frames,
+    then the exception's first line.
+    """
+    lines = _ANSI.sub("", text).splitlines()
+    heads = [
+        i
+        for i, line in enumerate(lines)
+        if line.startswith("Traceback (most recent call last)") or re.search(r"(^|\s)ray::\w", line)
+    ]
+    if not heads:
+        return None
+    for line in lines[heads[-1] + 1 :]:
+        if line.strip() and not line.startswith(" "):
+            return re.sub(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*\.(\w+(?::|$))", r"\1", line.strip())
+    return None
+
+
+def _describe(e: BaseException) -> str:
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+class Origin:
+    """Where a failure started: the actor class and pid, and the first line of the real cause."""
+
+    def __init__(self, cls: str = "", pid: str = "", error: str = "", died: bool = False, init: bool = False):
+        self.cls, self.pid, self.error, self.died, self.init = cls, pid, error, died, init
+
+    @property
+    def role(self) -> str:
+        return _role(self.cls) if self.cls else "driver (upstream's train() in this process)"
+
+    def who(self) -> str:
+        if not self.cls:
+            return f"the {self.role}"
+        return f"the {self.role} ({self.cls}{', pid ' + self.pid if self.pid else ''})"
+
+
+def failure_origin(exc: BaseException) -> Origin:
+    """Dig the failing actor and the innermost exception out of Ray's wrapped errors.
+
+    - ``RayTaskError`` (an actor method raised), one per caller: the innermost names the actor (its process
+      title, ``ray::Class.method() (pid=N, ...)``); its ``cause`` is the original exception.
+    - ``ActorDiedError`` whose actor's ``__init__`` raised: Ray keeps only the text
+      (``... raised in its creation task, ray::Class.__init__() (pid=...) <traceback>``).
+    - ``ActorDiedError`` of a process that died: ``class_name:``, ``pid:`` and Ray's "because ..." reason.
+    """
+    import ray
+
+    chain = _chain(exc)
+    origin = Origin()
+    for e in chain:
+        if isinstance(e, ray.exceptions.RayTaskError):
+            # The driver gets Ray's dual instances (``RayTaskError(X)``), which keep only the text: one header line
+            # per actor the error passed through, ``ray::Class.method() (pid=N, ip=...)``, outermost first (Ray
+            # also flattens the levels: measured, the controller's error holds the engine's EngineDeadError
+            # itself, with the engine's header only in its text).
+            headers = _HEADER.findall(_ANSI.sub("", str(e)))
+            if headers:
+                origin.cls, origin.pid = headers[-1]
+    inner = next((e for e in reversed(chain) if not isinstance(e, ray.exceptions.RayTaskError)), chain[-1])
+    if isinstance(inner, ray.exceptions.RayError):
+        text = _ANSI.sub("", str(getattr(inner, "error_msg", None) or inner))
+        origin.died = isinstance(inner, ray.exceptions.RayActorError)
+        created = re.search(r"ray::(\w+)\.__init__\(\)[^\n]*?pid=(\d+)", text)
+        cls, pid = re.search(r"class_name: (\S+)", text), re.search(r"\bpid: (\d+)", text)
+        if created:
+            origin.cls, origin.pid, origin.init = created.group(1), created.group(2), True
+        elif cls:
+            origin.cls, origin.pid = cls.group(1), pid.group(1) if pid else ""
+        why = re.search(r"The actor (?:is dead|died) because (.*?)(?: Some common causes|$)", text, re.S)
+        if created or not why:
+            origin.error = exception_line(text) or " ".join(text.split())[:300]
+        else:
+            origin.error = " ".join(why.group(1).split())
+    else:
+        origin.error = _describe(inner)
+    return origin
 
 
 def actor_died_message(err, args) -> str:
     """What the user reads when an actor of the run died: which one, why (Ray's words), and what to do."""
     text = str(getattr(err, "error_msg", None) or err)
-    cls = re.search(r"class_name: (\S+)", text)
+    cls = re.search(r"class_name: (\S+)", text) or re.search(r"ray::(\w+)\.", _ANSI.sub("", text))
     pid = re.search(r"\bpid: (\d+)", text)
     cls = cls.group(1) if cls else "unknown"
-    role = next((r for key, r in _ACTOR_ROLES if key in cls), "Ray actor")
+    role = _role(cls)
     why = re.search(r"The actor (?:is dead|died) because (.*?)(?: Some common causes|$)", text, re.S)
     why = " ".join(why.group(1).split()) if why else " ".join(text.split())[:300]
-    logs = (
-        f"Ray's logs of every process are under {os.path.join(args.ray.temp_dir, 'session_latest', 'logs')}"
-        if args.ray.temp_dir and not (args.ray.address or os.environ.get("RAY_ADDRESS"))
-        else "pass --ray.temp_dir DIR to keep Ray's per-process logs"
-    )
     return (
         f"the {role} ({cls}, pid {pid.group(1) if pid else '?'}, Ray actor {getattr(err, 'actor_id', '?')}) died "
         f"during the run: {why} The run stops here (fail fast): an engine or trainer cannot be replaced mid-run "
         "(its in-flight rollouts are lost and a new one would not hold the trained weights). Find the cause in "
-        f"its output above (OOM killer, segfault, CUDA error; {logs}), then restart; to continue from the last "
-        "checkpoint pass --ckpt.load_enable (checkpoints are written every --ckpt.save_steps)."
+        f"its output above (OOM killer, segfault, CUDA error; {_logs_hint(args)}), then restart; to continue from "
+        "the last checkpoint pass --ckpt.load_enable (checkpoints are written every --ckpt.save_steps)."
     )
+
+
+def startup_message(exc: BaseException, args) -> str:
+    """A failure before training began: which role, the first line of the real cause, and the fix."""
+    origin = failure_origin(exc)
+    fixes = next(((load, memory) for key, load, memory in _STARTUP_FIX if key in origin.cls), None)
+    if not origin.cls:
+        fix = "the traceback above shows where"
+    elif fixes is None:
+        fix = "its output above shows why"
+    elif _MEMORY.search(origin.error):
+        fix = f"out of memory in the {origin.role}: {fixes[1]}"
+    else:
+        fix = fixes[0]
+    verb = "failed to start" if origin.init else "died" if origin.died else "raised"
+    return (
+        f"start-up failed, before training began: {origin.who()} {verb}: {origin.error}. Fix: {fix}; then run the "
+        f"same command again (nothing was trained yet; {_logs_hint(args)})."
+    )
+
+
+def engine_dead(exc: BaseException) -> bool:
+    """Whether vLLM's ``EngineDeadError`` (its EngineCore or a worker process died) is in ``exc``'s chain."""
+    for e in _chain(exc):
+        if "EngineDeadError" in type(e).__name__:  # vLLM's class, or Ray's RayTaskError(EngineDeadError)
+            return True
+        if "EngineDeadError" in str(getattr(e, "traceback_str", "") or ""):
+            return True
+    return False
+
+
+def engine_died_message(exc: BaseException, args, started: bool) -> str:
+    """Our paragraph for an engine whose own processes died (the Ray actor itself is alive and reports it)."""
+    origin = failure_origin(exc)
+    engine = f"{origin.cls}, pid {origin.pid}" if origin.cls else "engine actor"
+    when = "during the run" if started else "at start-up, before training began"
+    then = (
+        "then restart; to continue from the last checkpoint pass --ckpt.load_enable (checkpoints are written every "
+        "--ckpt.save_steps)"
+        if started
+        else "then run the same command again (nothing was trained yet)"
+    )
+    return (
+        f"a vLLM engine's own processes died {when}: its EngineCore or a worker process is gone ({engine}; vLLM "
+        "raised EngineDeadError). The run stops here (fail fast): an engine cannot be replaced mid-run (its "
+        "in-flight rollouts are lost and a new one would not hold the trained weights). Find the cause in the "
+        "output above: the dying process's own error is on the lines tagged (EngineCore pid=...) or (Worker "
+        "pid=...); if there is none, it was killed from outside (the OOM killer: see `dmesg`; a lower "
+        f"--vllm.cpu_kv_cache_gb or --vllm.gpu_memory_utilization uses less memory; {_logs_hint(args)}); {then}."
+    )
+
+
+def classify_failure(exc: BaseException, args, started: bool) -> Optional[RunFailed]:
+    """Our error for a failure of upstream's train(), or None to let it through unchanged.
+
+    ``started``: upstream's train() had called the controller's ``fit()`` (training began). Before that,
+    every failure is a start-up failure (models, data, reward file, placement); after it, a dead actor gets
+    the "died during the run" message with resume advice. An actor whose ``__init__`` raised never started,
+    whenever its error reaches the driver (an engine's is first seen at the first call made to it).
+    """
+    if engine_dead(exc):
+        return EngineDied(engine_died_message(exc, args, started))
+    died = dead_actor(exc)
+    creation = died is not None and (
+        getattr(died, "actor_init_failed", False) or "raised in its creation task" in str(died)
+    )
+    if not started or creation:
+        return StartupFailed(startup_message(exc, args))
+    if died is not None:
+        return ActorDied(actor_died_message(died, args))
+    return None
+
+
+class _FitWatch:
+    """Driver-side stand-in for a controller class (``PPOTrainer`` / ``PPOTrainerAsync``, ours or upstream's):
+    sets ``started`` when upstream's train() calls ``fit.remote()`` on the controller, i.e. when training
+    begins. Everything else passes through to the real class and handle; the actor itself is untouched."""
+
+    def __init__(self, target, started: threading.Event, is_handle: bool = False):
+        self._target, self._started, self._is_handle = target, started, is_handle
+
+    def remote(self, *args, **kwargs):
+        return _FitWatch(self._target.remote(*args, **kwargs), self._started, is_handle=True)
+
+    def options(self, **kwargs):
+        return _FitWatch(self._target.options(**kwargs), self._started)
+
+    def __getattr__(self, name):
+        attr = getattr(self._target, name)
+        if self._is_handle and name == "fit":
+            return _FitCall(attr, self._started)
+        return attr
+
+
+class _FitCall:
+    def __init__(self, method, started: threading.Event):
+        self._method, self._started = method, started
+
+    def remote(self, *args, **kwargs):
+        self._started.set()
+        return self._method.remote(*args, **kwargs)
+
+
+def _cluster_source(args) -> str:
+    """Where the cluster's numbers in a resource error come from."""
+    if args.ray.address or os.environ.get("RAY_ADDRESS"):
+        return "(The cluster is the one joined with --ray.address / RAY_ADDRESS.)"
+    if cpu_compat.cuda_available():
+        return "(The cluster is this machine's GPUs and CPUs, in a private Ray instance.)"
+    return (
+        "(This machine has no CUDA: the private Ray instance declares --ray.num_gpus logical GPUs, by default as "
+        f"many as the flags ask for, and max(8, cores) = {max(8, os.cpu_count() or 1)} CPU slots; to run more "
+        "ranks on CPU, start Ray yourself (ray start --head --num-cpus N --num-gpus M) and pass --ray.address.)"
+    )
+
+
+def check_resources(args) -> List:
+    """Compare what the run asks for with the running Ray cluster; raise :class:`resources.ResourceError` if
+    it can never be placed. Returns the per-role requests (for the placement watchdog)."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    resources.check(args, ray.cluster_resources(), nodes, where=_cluster_source(args))
+    return resources.requests(args)
 
 
 def train(args) -> None:
     """Run upstream's Ray job with our classes.
 
-    Raises :class:`ActorDied` if an actor of the run (e.g. a vLLM engine) dies: Ray's own error reaches
-    the driver within seconds (Ray fails every pending call on a dead actor), and is re-raised here with
-    a message naming the actor and the way forward.
+    Raises :class:`resources.ResourceError` before anything is placed if the run's requests exceed the
+    cluster; :class:`StartupFailed` if a model, the data or the reward file fails to load (before training
+    began); :class:`ActorDied` if an actor of the run (e.g. a vLLM engine) dies during the run; and
+    :class:`EngineDied` if a vLLM engine's own processes die. Ray's own error reaches the driver within
+    seconds (Ray fails every pending call on a dead actor) and is re-raised with our message.
     """
     from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
     classes = {"PolicyModelActor": PolicyModelActor, "create_vllm_engines": create_vllm_engines(args)}
     if config.needs_our_controllers(args):
-        # Off: upstream's controllers run untouched.
         from openrlhf_ess.trainer.ppo_trainer import PPOTrainer
         from openrlhf_ess.trainer.ppo_trainer_async import PPOTrainerAsync
-
-        classes.update(PPOTrainer=PPOTrainer, PPOTrainerAsync=PPOTrainerAsync)
+    else:  # off: upstream's controllers run untouched (watched on the driver only, for the start of fit())
+        from openrlhf.trainer.ppo_trainer import PPOTrainer
+        from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync
+    started = threading.Event()  # set when training begins: start-up failures before, "died during the run" after
+    classes.update(PPOTrainer=_FitWatch(PPOTrainer, started), PPOTrainerAsync=_FitWatch(PPOTrainerAsync, started))
     init_ray(args)
+    watchdog = None
     try:
+        watchdog = resources.PlacementWatchdog(check_resources(args)).start()
         upstream.run_train(args, classes)
+    except config.ConfigError:  # resources.ResourceError: nothing was placed, main() prints it
+        raise
     except Exception as e:
-        died = dead_actor(e)
-        if died is None:
+        ours = classify_failure(e, args, started.is_set())
+        if ours is None:
             raise
-        raise ActorDied(actor_died_message(died, args)) from e
+        raise ours from e
     finally:
         import ray
 
+        if watchdog is not None:
+            watchdog.stop()
         ray.shutdown()
 
 
@@ -227,7 +532,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"[openrlhf-ess] {notice}")
     try:
         train(args)
-    except ActorDied as e:
+    except config.ConfigError as e:  # e.g. resources.ResourceError: found before anything was placed
+        print(f"openrlhf-ess: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except RunFailed as e:
         import traceback
 
         traceback.print_exception(e.__cause__)  # Ray's own report, in full
