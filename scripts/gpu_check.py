@@ -739,12 +739,6 @@ def _zero3_measure(args, route: str, notes: List[str]) -> dict:
         param_bytes_per_element=largest.ds_tensor.element_size(),
     )
     peak = Peak(module)
-    enter = deepspeed.zero.GatheredParameters.__enter__
-
-    def sampling_enter(self):
-        result = enter(self)
-        peak.sample()
-        return result
 
     def whole_model_control():
         """The pre-fix pattern: every parameter gathered at once, then summed."""
@@ -770,13 +764,10 @@ def _zero3_measure(args, route: str, notes: List[str]) -> dict:
         seconds[name] = round(time.perf_counter() - t0, 4)
         left[name] = gathered_elements(module)
 
-    deepspeed.zero.GatheredParameters.__enter__ = sampling_enter
-    try:
+    with peak.sampling(forwards=False):
         phase("checksums", ws.trainer_checksums)
         phase("synced_state", ws.synced_state)
         phase("whole_model_control", whole_model_control)
-    finally:
-        deepspeed.zero.GatheredParameters.__enter__ = enter
     # the one-at-a-time gathers read the full values: the checksums agree with the copied weights
     from_state = sync_check.combine_checksums((n, sync_check.checksum(t)) for n, t in results["synced_state"].items())
     bad, compared = sync_check.mismatched(results["checksums"], from_state, sync_check.SAME_DTYPE_TOL)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from tests.helpers.ds_actor import free_port
+from tests.helpers.strict_device import COLLECTIVES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "openrlhf_ess")
@@ -36,21 +37,7 @@ def test_every_collective_of_ours_runs_on_the_collective_device(tmp_path):
     assert r0["ess"] == r1["ess"] and 0.1 < r0["ess"]["scale"] < 0.999
 
 
-COLLECTIVE_NAMES = {
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "scatter",
-}
+COLLECTIVE_NAMES = set(COLLECTIVES) | {"all_gather_object", "broadcast_object_list"}
 
 
 def _collective_calls(path):

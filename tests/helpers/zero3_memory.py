@@ -18,6 +18,7 @@ partition cache: after an eval forward ZeRO-3 may keep parameters it expects to 
 Writes {phase: peak elements}, what is left gathered after each phase, and the parameter sizes.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -41,6 +42,29 @@ class Peak:
         if self.phase is not None:
             self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), gathered_elements(self.module))
 
+    @contextlib.contextmanager
+    def sampling(self, forwards: bool = True):
+        """Sample after every ``GatheredParameters`` enter (and, with ``forwards``, in every module's forward
+        pre-hook) inside the block."""
+        import deepspeed
+
+        enter = deepspeed.zero.GatheredParameters.__enter__
+        peak = self
+
+        def sampling_enter(ctx):
+            result = enter(ctx)
+            peak.sample()
+            return result
+
+        hooks = [sub.register_forward_pre_hook(self.sample) for sub in self.module.modules()] if forwards else []
+        deepspeed.zero.GatheredParameters.__enter__ = sampling_enter
+        try:
+            yield self
+        finally:
+            deepspeed.zero.GatheredParameters.__enter__ = enter
+            for hook in hooks:
+                hook.remove()
+
 
 def main() -> None:
     model_path, prompts, out = sys.argv[1:4]
@@ -54,8 +78,6 @@ def main() -> None:
         extra=["--vllm.num_engines", "1", "--algo.kl.init_coef", "0", "--algo.prox_mode", "snapshot"],
         zero_overrides={"stage3_param_persistence_threshold": 100},
     )
-    import deepspeed
-
     from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer
 
     trainer = ActorPPOTrainer(
@@ -63,16 +85,8 @@ def main() -> None:
     )
     module = model.model.module
     peak = Peak(module)
-    enter = deepspeed.zero.GatheredParameters.__enter__
-
-    def sampling_enter(self):
-        result = enter(self)
-        peak.sample()
-        return result
-
-    deepspeed.zero.GatheredParameters.__enter__ = sampling_enter
-    for sub in module.modules():
-        sub.register_forward_pre_hook(peak.sample)
+    sampling = peak.sampling()
+    sampling.__enter__()  # for the rest of the run
 
     # one rollout and a version advance, so that version 0 is a stale, kept snapshot
     trainer.replay_buffer.append(make_rollout(11, 2 * MICRO))
