@@ -200,7 +200,9 @@ def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-PROX_MODES = ("recompute", "snapshot", "interrupt", "dedicated", "ewma", "loglinear")
+PROX_MODES = ("recompute", "snapshot", "interrupt", "dedicated", "ewma", "loglinear", "bypass")
+# π_prox = μ, the engine's log-prob of each sampled token: upstream's old-log-prob forward is skipped.
+BYPASS_PROX_MODE = "bypass"
 # Modes that score the outgoing version's tokens at each weight sync (the engines report their streams).
 SCORE_AT_SYNC_MODES = ("interrupt", "dedicated")
 # Modes whose π_prox is each token's own version's weights (a stale token without them is masked or stops).
@@ -228,7 +230,13 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         "at each weight sync generation is paused and every token of the outgoing version still outstanding "
         "(in-flight prefixes included) is scored by the actor with its one kept copy of that version (async + "
         "partial rollouts). dedicated: exact; the same scoring at each sync, done by an old-log-prob model that "
-        "receives every weight sync with the engines (--algo.prox_dedicated_num_gpus). Any ZeRO stage: under "
+        "receives every weight sync with the engines (--algo.prox_dedicated_num_gpus). bypass: pi_prox = mu, the "
+        "engine's log-prob of each sampled token; upstream's old-log-prob forward over the batch is skipped (saves "
+        "one actor forward per rollout batch), the PPO ratio is pi_theta/mu and the TIS weight min(pi_prox/mu, C), "
+        "ESS-LR's w_i and the mismatch metrics are 1, 1 and 0 by construction. Sound only when mu is the "
+        "distribution the trainer models: an fp32 engine (--vllm.dtype float32; bf16 gets a notice) and no "
+        "truncated sampling (--rollout.top_p < 1 is rejected); upstream samples the first response token with EOS "
+        "banned (min_tokens=1), so there the ratio starts at 1 - pi(EOS). Any ZeRO stage: under "
         "ZeRO-3 snapshot/ewma/interrupt keep each rank's partition (host memory / number of ranks).",
     )
     group.add_argument(
@@ -461,7 +469,7 @@ def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> Non
                 "--algo.kl.off_policy_k2_enable and --algo.kl.unbiased_gradient both replace the KL gradient: "
                 "keep one (ours adds the min(pi_prox/mu, C) discrepancy term to upstream's pi_theta/pi_old weight)."
             )
-    _validate_prox(args)
+    _validate_prox(args, notices)
     if needs_rollout_logprobs(args) and not args.vllm.num_engines:
         raise ConfigError(
             "rollout log-probs (mu) come from vLLM engines: the off-policy features need --vllm.num_engines >= 1."
@@ -477,7 +485,7 @@ def max_lag_possible(args: types.SimpleNamespace) -> int:
     return args.train.async_queue_size + (1 if args.train.partial_rollout_enable else 0)
 
 
-def _validate_prox(args: types.SimpleNamespace) -> None:
+def _validate_prox(args: types.SimpleNamespace, notices: List[str]) -> None:
     algo = args.algo
     mode = algo.prox_mode
     if mode == "recompute":
@@ -504,6 +512,8 @@ def _validate_prox(args: types.SimpleNamespace) -> None:
         )
     if mode in WEIGHT_SWAP_MODES and args.ds.tensor_parallel_size > 1:
         raise ConfigError(f"--algo.prox_mode {mode} needs full weights per rank: drop --ds.tensor_parallel_size.")
+    if mode == BYPASS_PROX_MODE:
+        _validate_bypass(args, notices)
     if mode == "snapshot":
         needed = max_lag_possible(args) + 1
         if algo.max_version_lag is not None:
@@ -542,4 +552,47 @@ def _validate_score_at_sync(args: types.SimpleNamespace) -> None:
         raise ConfigError(
             f"--algo.prox_dedicated_num_gpus must be > 0 (the old-log-prob model needs a device), "
             f"got {args.algo.prox_dedicated_num_gpus}."
+        )
+
+
+def _validate_bypass(args: types.SimpleNamespace, notices: List[str]) -> None:
+    """--algo.prox_mode bypass: π_prox = μ. Rejects what makes μ something other than the policy the trainer
+    models (truncated sampling) or leaves nothing to bypass with; says which corrections become identities."""
+    algo = args.algo
+    if not args.vllm.num_engines:
+        raise ConfigError(
+            "--algo.prox_mode bypass uses the engines' sampled-token log-probs (mu) as pi_prox: it needs vLLM "
+            "engines, set --vllm.num_engines >= 1 (or keep --algo.prox_mode recompute)."
+        )
+    if 0 < args.rollout.top_p < 1:  # out-of-range values are preflight's
+        # μ is then the truncated, renormalised distribution's log-prob (log π - log Z_t): in the PPO ratio
+        # π_θ/μ that is a phantom ratio Z_t < 1 on every token, which the clip turns into lost gradient
+        raise ConfigError(
+            f"--algo.prox_mode bypass with --rollout.top_p {args.rollout.top_p}: mu is then the log-prob of the "
+            "truncated, renormalised distribution, not the policy the trainer models, and the PPO ratio "
+            "pi_theta/mu would start at the kept mass (< 1) on every token. Use --rollout.top_p 1, or "
+            "--algo.prox_mode recompute."
+        )
+    if algo.prox_missing != "mask":
+        raise ConfigError(
+            "--algo.prox_missing applies to the exact modes (snapshot, interrupt, dedicated); with "
+            "--algo.prox_mode bypass every token's pi_prox is its own mu (a sample without a finite mu follows "
+            "--algo.nonfinite_logprobs): drop it."
+        )
+    if args.vllm.dtype != "float32":
+        notices.append(
+            f"--algo.prox_mode bypass with --vllm.dtype {args.vllm.dtype}: mu differs from the trainer's log-probs "
+            "by the engine's kernel error (~0.01-0.1 nats per token in bf16), which now sits inside the PPO ratio "
+            "pi_theta/mu with no TIS weight to correct it. --vllm.dtype float32 makes mu match to ~1e-5."
+        )
+    if algo.tis_cap is not None or algo.advantage.is_correction_level != "off":
+        notices.append(
+            "--algo.prox_mode bypass: the TIS / IS-correction weight min(pi_prox/mu, C) is exactly 1 (pi_prox = mu), "
+            "so --algo.tis_cap / --algo.advantage.is_correction_* change nothing (tis/* metrics report weight 1); "
+            "the engine mismatch is inside the clipped ratio pi_theta/mu instead."
+        )
+    if algo.ess_lr_enable:
+        notices.append(
+            "--algo.prox_mode bypass with --algo.ess_lr_enable: every w_i = exp(mean(log pi_prox - log mu)) = 1, "
+            "so rho_ess = 1 and the LR scale is 1 (the flag changes nothing in this mode)."
         )

@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
+import ray
 import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as _UpstreamRemoteExperienceMaker
 from openrlhf.utils.utils import zero_pad_sequences
 
-from openrlhf_ess.config import EXACT_PROX_MODES
+from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES
 from openrlhf_ess.models import corrections
 from openrlhf_ess.trainer.ppo_utils.samples_generator import versions_or_untagged
 from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION
@@ -31,6 +32,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         ours.weight_version = 0
         ours.last_metrics: Dict[str, float] = {}
         ours.prox_store = ours.consumed = None  # set by the controller in interrupt / dedicated modes
+        ours._samples_in_flight, ours._actor_forwards = None, 0
         return ours
 
     def split_rollout_samples(self, rollout_samples):
@@ -47,10 +49,24 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         return samples_list
 
     def _dispatch_forward(self, group, sync_condition, **kwargs):
-        """Extends upstream's: the actor's forward also gets the token versions (snapshot/ewma modes)."""
+        """Extends upstream's: the actor's forward also gets the token versions (snapshot/ewma modes).
+
+        bypass mode (π_prox = μ): the actor's old-log-prob forward is not dispatched at all; upstream's
+        ``make_experience`` gets, where it expects that forward's results, each micro-batch's μ in the same
+        layout (a one-tensor list per micro-batch, repeated for ring-attention / tensor-parallel copies), and
+        computes the KL, rewards and advantages from it unchanged.
+        """
+        if group is self.actor_model_group:
+            if self.args.algo.prox_mode == BYPASS_PROX_MODE:
+                return ray.put(bypass_prox_results(self._samples_in_flight, self._duplicate_factor()))
+            self._actor_forwards += 1
         if group is self.actor_model_group and self.args.algo.prox_mode in ("snapshot", "ewma"):
             kwargs["rollout_versions"] = [s.rollout_versions for s in self._samples_in_flight]
         return super()._dispatch_forward(group, sync_condition, **kwargs)
+
+    def _duplicate_factor(self) -> int:
+        """Upstream's ``duplicate_factor``: copies of each result returned by ring-attention / TP ranks."""
+        return self.args.ds.ring_attn_size * self.args.ds.tensor_parallel_size
 
     @torch.no_grad()
     def make_experience(self, samples_list: List):
@@ -60,6 +76,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         are computed (and are counted); they never reach the loss.
         """
         self._samples_in_flight = samples_list
+        self._actor_forwards = 0
         try:
             experiences = super().make_experience(samples_list)
         finally:
@@ -137,6 +154,8 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         self.last_metrics["actor_logprob_nonfinite"] = float(actor_nonfinite)
         if algo.prox_mode != "recompute":
             self.last_metrics["prox/masked_missing_tokens"] = float(prox_missing)
+            # upstream's old-log-prob forwards over the batch dispatched by this make_experience (0 in bypass)
+            self.last_metrics["prox/recompute_forwards"] = float(self._actor_forwards)
         if tis:
             w = torch.cat(tis)
             self.last_metrics.update(
@@ -149,6 +168,24 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                 }
             )
         return experiences
+
+
+def bypass_prox_results(samples_list, duplicate_factor: int) -> list:
+    """bypass mode: μ in the layout upstream's ``_flatten_results`` reads from the actor group's forward.
+
+    Returns one single-element list per micro-batch, repeated ``duplicate_factor`` times, holding a copy of
+    its ``rollout_log_probs`` (B, A) (a copy: later in-place edits of π_prox must not change μ). Raises if a
+    micro-batch has no μ: its tokens would otherwise be trained against a π_prox nobody computed.
+    """
+    missing = sum(s.rollout_log_probs is None for s in samples_list)
+    if missing:
+        raise RuntimeError(
+            f"--algo.prox_mode bypass: {missing} of {len(samples_list)} micro-batches came without rollout "
+            "log-probs (mu) from the engines, so they have no pi_prox. The engines return mu whenever the "
+            "off-policy features are on; an agent (--train.agent_func_path) must return them too, or use "
+            "--algo.prox_mode recompute."
+        )
+    return [[s.rollout_log_probs.clone()] for s in samples_list for _ in range(duplicate_factor)]
 
 
 def nonfinite_rows(log_probs: torch.Tensor, action_mask: torch.Tensor, lag) -> torch.Tensor:
