@@ -202,7 +202,7 @@ class WeightSync:
         self._syncs_checked += 1
         ours = self.trainer_checksums()
         if torch.distributed.get_rank() == 0:
-            dtype = str(self.trainer.actor.model.module.parameters().__next__().dtype)
+            dtype = str(next(self.trainer.actor.model.module.parameters()).dtype)
             self._check_checksums(ours, dtype)
         if canary:
             self._check_canary()
