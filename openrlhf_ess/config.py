@@ -278,16 +278,26 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def mu_consumers(args: types.SimpleNamespace) -> List[str]:
+    """The flags of the enabled features that consume mu, the engine's sampled-token log-probs."""
+    algo = args.algo
+    out = []
+    if algo.ess_lr_enable:
+        out.append("--algo.ess_lr_enable")
+    if algo.tis_cap is not None:
+        out.append(f"--algo.tis_cap {algo.tis_cap}")
+    elif algo.advantage.is_correction_level != "off":
+        out.append(f"--algo.advantage.is_correction_level {algo.advantage.is_correction_level}")
+    if algo.kl.off_policy_k2_enable:
+        out.append("--algo.kl.off_policy_k2_enable")
+    if algo.prox_mode != "recompute":
+        out.append(f"--algo.prox_mode {algo.prox_mode}")
+    return out
+
+
 def needs_rollout_logprobs(args: types.SimpleNamespace) -> bool:
     """Whether any enabled feature consumes mu, the engine's sampled-token log-probs."""
-    algo = args.algo
-    return (
-        algo.ess_lr_enable
-        or algo.advantage.is_correction_level != "off"
-        or algo.tis_cap is not None
-        or algo.kl.off_policy_k2_enable
-        or algo.prox_mode != "recompute"
-    )
+    return bool(mu_consumers(args))
 
 
 def dedicated_gpus(args: types.SimpleNamespace) -> int:

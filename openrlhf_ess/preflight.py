@@ -156,23 +156,6 @@ def _check_steps(args: types.SimpleNamespace) -> None:
             raise ConfigError(f"--data.prompt_probs {args.data.prompt_probs}: at least one must be > 0.")
 
 
-def mu_consumers(args: types.SimpleNamespace) -> List[str]:
-    """The flags of the enabled features that consume mu (see :func:`config.needs_rollout_logprobs`)."""
-    algo = args.algo
-    out = []
-    if algo.ess_lr_enable:
-        out.append("--algo.ess_lr_enable")
-    if algo.tis_cap is not None:
-        out.append(f"--algo.tis_cap {algo.tis_cap}")
-    elif algo.advantage.is_correction_level != "off":
-        out.append(f"--algo.advantage.is_correction_level {algo.advantage.is_correction_level}")
-    if algo.kl.off_policy_k2_enable:
-        out.append("--algo.kl.off_policy_k2_enable")
-    if algo.prox_mode != "recompute":
-        out.append(f"--algo.prox_mode {algo.prox_mode}")
-    return out
-
-
 def _check_sampling(args: types.SimpleNamespace) -> None:
     rollout = args.rollout
     if rollout.temperature < 0:
@@ -182,9 +165,10 @@ def _check_sampling(args: types.SimpleNamespace) -> None:
             "the trainer scores every response with logits / temperature (openrlhf/models/actor.py, the temperature "
             "the engine sampled at), so 0 turns every log-prob into NaN"
         )
-        if config.needs_rollout_logprobs(args):
+        consumers = config.mu_consumers(args)
+        if consumers:
             raise ConfigError(
-                f"--rollout.temperature 0 samples greedily, but {', '.join(mu_consumers(args))} need(s) mu, the "
+                f"--rollout.temperature 0 samples greedily, but {', '.join(consumers)} need(s) mu, the "
                 "engine's probability of each sampled token: for a greedy sample mu is degenerate (the argmax token "
                 "was chosen with certainty, whatever log-prob is reported), so every ratio pi/mu would be wrong; and "
                 f"{nan}. Use a temperature > 0 (1.0 samples the policy itself)."

@@ -215,6 +215,10 @@ _MEMORY = re.compile(r"out of memory|MemoryError|\bOOM\b|Cannot allocate memory|
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _HEADER = re.compile(r"ray::(\w+)\.[^\s(]+\(\)[^\n]*?\bpid=(\d+)")
+# In Ray's text of a dead actor's error: its class, its pid, and Ray's reason ("The actor died because ...").
+_CLASS_NAME = re.compile(r"class_name: (\S+)")
+_PID = re.compile(r"\bpid: (\d+)")
+_WHY = re.compile(r"The actor (?:is dead|died) because (.*?)(?: Some common causes|$)", re.S)
 
 
 def _role(cls: str) -> str:
@@ -321,12 +325,12 @@ def failure_origin(exc: BaseException) -> Origin:
         text = _ANSI.sub("", str(getattr(inner, "error_msg", None) or inner))
         origin.died = isinstance(inner, ray.exceptions.RayActorError)
         created = re.search(r"ray::(\w+)\.__init__\(\)[^\n]*?pid=(\d+)", text)
-        cls, pid = re.search(r"class_name: (\S+)", text), re.search(r"\bpid: (\d+)", text)
+        cls, pid = _CLASS_NAME.search(text), _PID.search(text)
         if created:
             origin.cls, origin.pid, origin.init = created.group(1), created.group(2), True
         elif cls:
             origin.cls, origin.pid = cls.group(1), pid.group(1) if pid else ""
-        why = re.search(r"The actor (?:is dead|died) because (.*?)(?: Some common causes|$)", text, re.S)
+        why = _WHY.search(text)
         if created or not why:
             origin.error = exception_line(text) or " ".join(text.split())[:300]
         else:
@@ -339,11 +343,11 @@ def failure_origin(exc: BaseException) -> Origin:
 def actor_died_message(err, args) -> str:
     """What the user reads when an actor of the run died: which one, why (Ray's words), and what to do."""
     text = str(getattr(err, "error_msg", None) or err)
-    cls = re.search(r"class_name: (\S+)", text) or re.search(r"ray::(\w+)\.", _ANSI.sub("", text))
-    pid = re.search(r"\bpid: (\d+)", text)
+    cls = _CLASS_NAME.search(text) or re.search(r"ray::(\w+)\.", _ANSI.sub("", text))
+    pid = _PID.search(text)
     cls = cls.group(1) if cls else "unknown"
     role = _role(cls)
-    why = re.search(r"The actor (?:is dead|died) because (.*?)(?: Some common causes|$)", text, re.S)
+    why = _WHY.search(text)
     why = " ".join(why.group(1).split()) if why else " ".join(text.split())[:300]
     return (
         f"the {role} ({cls}, pid {pid.group(1) if pid else '?'}, Ray actor {getattr(err, 'actor_id', '?')}) died "

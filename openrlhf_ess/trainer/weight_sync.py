@@ -24,7 +24,6 @@ import deepspeed
 import ray
 import torch
 
-from openrlhf_ess.config import RELOAD_BACKEND
 from openrlhf_ess.trainer import sync_check
 
 SYNC_CANARY_TOKENS = 32
@@ -130,10 +129,6 @@ class WeightSync:
             if checks:  # the engines' checksums right after the load, for the check at the next step
                 self._loaded_engine_checksums = [(r["checksums"], r["checksum_seconds"]) for r in loaded]
         torch_dist_barrier_and_cuda_sync()
-
-    @staticmethod
-    def uses_reload(args) -> bool:
-        return args.vllm.sync_backend == RELOAD_BACKEND
 
     # ---- the check -----------------------------------------------------------------------------------
 

@@ -9,6 +9,23 @@ import json
 import os
 
 
+def fp32_engine(model: str, max_model_len: int, max_logprobs: int):
+    """An in-process fp32 vLLM engine (tiny model, small KV cache, no compile) whose log-probs are those of the
+    distribution sampled from (``processed_logprobs``: temperature and any top-k/top-p cut applied)."""
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        dtype="float32",
+        seed=0,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=64 << 20,
+        logprobs_mode="processed_logprobs",
+        max_logprobs=max_logprobs,
+        enforce_eager=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -20,20 +37,11 @@ def main() -> None:
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    llm = LLM(
-        model=args.model,
-        dtype="float32",
-        seed=0,
-        max_model_len=128,
-        kv_cache_memory_bytes=64 << 20,
-        logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from (temperature applied)
-        max_logprobs=1,
-        enforce_eager=True,
-    )
+    llm = fp32_engine(args.model, max_model_len=128, max_logprobs=1)
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, logprobs=1, seed=0)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in args.prompts]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)

@@ -21,6 +21,8 @@ import os
 import pickle
 import time
 
+from tests.helpers.vllm_sample import fp32_engine
+
 
 def install_rank_patch() -> None:
     """Make the sampled token's ``rank`` carry k_t = number of finite processed log-probs in its row."""
@@ -56,20 +58,11 @@ def main() -> None:
     if args.rank_patch:
         install_rank_patch()
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    llm = LLM(
-        model=args.model,
-        dtype="float32",
-        seed=0,
-        max_model_len=256,
-        kv_cache_memory_bytes=64 << 20,
-        logprobs_mode="processed_logprobs",
-        max_logprobs=-1,
-        enforce_eager=True,
-    )
+    llm = fp32_engine(args.model, max_model_len=256, max_logprobs=-1)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in args.prompts]
     token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]

@@ -122,15 +122,12 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         weight version. The version is set while generation is paused (partial rollouts) or idle (otherwise),
         so the engines can tag every token with the weights that sampled it. With --vllm.enable_sleep the sync
         check runs here too, while the controller holds the engines' weights awake (WeightSync.after_sync)."""
-        if WeightSync.uses_reload(self.strategy.args):
+        if self.strategy.args.vllm.sync_backend == config.RELOAD_BACKEND:
             self.weight_sync.push()
         else:
             super().broadcast_to_vllm()
         self.advance_version()
         self.weight_sync.after_sync()
-
-    def check_sync(self):
-        self.weight_sync.check()
 
     def advance_version(self):
         """After a complete weight sync: count it, snapshot the weights (snapshot mode), tell the engines."""
