@@ -495,6 +495,10 @@ def train(args) -> None:
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
     classes = {"PolicyModelActor": PolicyModelActor, "create_vllm_engines": create_vllm_engines(args)}
+    if config.sampling_mask_on(args):  # π_ref over the kept support too
+        from openrlhf_ess.trainer.ray.ref_actor import ReferenceModelActor
+
+        classes["ReferenceModelActor"] = ReferenceModelActor
     if config.needs_our_controllers(args):
         from openrlhf_ess.trainer.ppo_trainer import PPOTrainer
         from openrlhf_ess.trainer.ppo_trainer_async import PPOTrainerAsync

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator as _UpstreamSamplesGenerator
 
-from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION
+from openrlhf_ess import config
+from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
 
 class SamplesGenerator(_UpstreamSamplesGenerator):
@@ -23,12 +24,22 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         check_not_all_dropped(rollout_samples)
         return (rollout_samples, *rest)
 
+    def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **generate_kwargs):
+        """Extends upstream's: ``--rollout.top_k`` reaches the engines (upstream reads ``top_k`` from the
+        generate kwargs but has no flag for it)."""
+        if self.args.rollout.top_k > 0:
+            generate_kwargs.setdefault("top_k", self.args.rollout.top_k)
+        return super()._dispatch_prompts_to_vllm(prompts, labels, images=images, **generate_kwargs)
+
     def _process_response_into_experience(self, response, **generate_kwargs):
         """Extends upstream's conversion of one engine response.
 
         - ``experience.rollout_versions`` (1, A): the weight version that sampled each action token
           (NO_VERSION elsewhere), aligned with ``rollout_log_probs`` and ``action_mask``. A plain
           attribute, not an Experience field: it is consumed by the experience maker on the controller.
+        - ``experience.rollout_kept_counts`` (1, A), --algo.sampling_mask keep: the engine's kept-support size
+          per action token (NOT_TRUNCATED elsewhere), same alignment; a plain attribute carried to the actors'
+          replay buffer (``trainer/sampling_mask.py``).
         - With --reward.failure_policy, a sample whose reward is None (the reward function raised) or not
           finite either stops the run or is masked out with reward 0, counted in ``info["reward_failed"]``.
         - A sample whose μ is NaN or ±inf on a sampled token is masked out (action_mask = 0, μ set to 0
@@ -55,6 +66,15 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         versions = response.get("rollout_versions")
         if versions is not None:
             experience.rollout_versions = torch.tensor(versions[1:truncate_length], dtype=torch.long).unsqueeze(0)
+        if config.sampling_mask_on(self.args):
+            kept = response.get("rollout_kept_counts")
+            if kept is None:
+                raise RuntimeError(
+                    "--algo.sampling_mask keep: a response came back without kept counts from the engine, so the "
+                    "support its tokens were sampled from is unknown. An agent (--train.agent_func_path) must "
+                    "generate through the llm_engine it is given; otherwise this is a bug, please report it."
+                )
+            experience.rollout_kept_counts = torch.tensor(kept[1:truncate_length], dtype=torch.long).unsqueeze(0)
         mu = experience.rollout_log_probs
         if mu is not None:
             bad = ~torch.isfinite(mu) & experience.action_mask.bool()
@@ -93,6 +113,14 @@ def _finite_number(value) -> bool:
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and bool(torch.isfinite(value.float()).all())
     return isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
+
+
+def kept_or_untruncated(experience) -> torch.Tensor:
+    """The experience's (B, A) kept counts, or all NOT_TRUNCATED when the engine did not report them."""
+    kept = getattr(experience, "rollout_kept_counts", None)
+    if kept is None:
+        return torch.full_like(experience.action_mask, NOT_TRUNCATED, dtype=torch.long)
+    return kept
 
 
 def versions_or_untagged(experience) -> torch.Tensor:
