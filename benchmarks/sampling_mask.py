@@ -7,9 +7,9 @@ one run after another:
 
 - ``top-p 0.8``: upstream's log-probs (full vocabulary) against the engine's truncated μ;
 - ``top-p 0.8 + mask``: the same with ``--algo.sampling_mask keep``;
-- ``fp32, recompute`` and ``fp32, bypass`` (top-p 1, fp32 engine and trainer): the make-experience time the
+- ``fp32 recompute`` and ``fp32 bypass`` (top-p 1, fp32 engine and trainer): the make-experience time the
   bypass mode saves (upstream's old-log-prob forward skipped), as a ratio of per-step medians in one run set;
-- ``fp32, top-p 0.8 + mask + bypass``: bypass made sound under truncated sampling by the mask.
+- ``fp32 top-p 0.8 + mask + bypass``: bypass made sound under truncated sampling by the mask.
 
 Then a micro-benchmark of the mask's maths at a real vocabulary (V = 151,936, Qwen's), on this CPU: the
 masked log-probs of 1,024 response tokens against upstream's full-vocabulary ``log_probs_from_logits``.
@@ -41,9 +41,9 @@ TOP_P = ["--rollout.top_p", "0.8"]
 RUNS = {
     "top-p 0.8": TOP_P,
     "top-p 0.8 + mask": TOP_P + MASK,
-    "fp32, recompute": FP32,
-    "fp32, bypass": FP32 + ["--algo.prox_mode", "bypass"],
-    "fp32, top-p 0.8 + mask + bypass": FP32 + TOP_P + MASK + ["--algo.prox_mode", "bypass"],
+    "fp32 recompute": FP32,
+    "fp32 bypass": FP32 + ["--algo.prox_mode", "bypass"],
+    "fp32 top-p 0.8 + mask + bypass": FP32 + TOP_P + MASK + ["--algo.prox_mode", "bypass"],
 }
 TAGS = {
     "reward": "train/reward",
@@ -76,6 +76,10 @@ def run_one(a, world, flags, root) -> dict:
 def micro(vocab: int = 151_936, tokens: int = 1024, reps: int = 5) -> dict:
     """Seconds for the masked log-probs of ``tokens`` positions at ``vocab`` vs upstream's full-vocabulary ones."""
     import torch
+
+    from openrlhf_ess import cpu_compat
+
+    cpu_compat.apply()  # upstream's models package imports flash-attn, absent on CPU
     from openrlhf.models.utils import log_probs_from_logits
 
     from openrlhf_ess.models.sampling_mask import apply_to_log_probs
@@ -127,9 +131,9 @@ def write_markdown(results: dict, path: str, command: str) -> None:
             f"{_median(c['ppo_train s']):.2f} | {_mean(c['old-log-prob forwards']):.1f} |"
         )
     runs = results["runs"]
-    if "fp32, recompute" in runs and "fp32, bypass" in runs:
-        ratio = _median(runs["fp32, bypass"]["curves"]["make-experience s"]) / _median(
-            runs["fp32, recompute"]["curves"]["make-experience s"]
+    if "fp32 recompute" in runs and "fp32 bypass" in runs:
+        ratio = _median(runs["fp32 bypass"]["curves"]["make-experience s"]) / _median(
+            runs["fp32 recompute"]["curves"]["make-experience s"]
         )
         lines += ["", f"bypass / recompute make-experience time (medians): **{ratio:.2f}x**."]
     m = results.get("micro")
@@ -148,7 +152,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=64, help="prompts per episode (8 per step)")
     parser.add_argument("--episodes", type=int, default=2)
-    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of: " + ", ".join(RUNS))
+    parser.add_argument("--runs", nargs="*", default=list(RUNS), help="subset of: " + "; ".join(RUNS))
     parser.add_argument("--no-micro", action="store_true", help="skip the V = 151,936 micro-benchmark")
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "sampling_mask"))
     add_model_arguments(parser)
@@ -157,10 +161,15 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     root = tempfile.mkdtemp(prefix="ess_mask_bench_")
     world = world_for(a, root, a.prompts)
+    for name in a.runs:
+        if name not in RUNS:
+            parser.error(f"--runs {name!r}: choose from {list(RUNS)}")
     results = {"runs": {}}
-    for name in a.runs.split(","):
+    for name in a.runs:
         print(f"[sampling_mask] {name} ...", flush=True)
         results["runs"][name] = run_one(a, world, RUNS[name], root)
+        with open(os.path.join(a.out, "results.json"), "w") as f:  # after each run: a crash keeps what was measured
+            json.dump(results, f, indent=1)
     if not a.no_micro:
         results["micro"] = micro()
     with open(os.path.join(a.out, "results.json"), "w") as f:

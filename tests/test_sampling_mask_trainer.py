@@ -221,3 +221,26 @@ def test_stream_scoring_at_sync_uses_the_kept_counts(tiny_world):
             if k[t] == 0:
                 assert lp[t - 1].item() == pytest.approx(lp_plain[t - 1].item(), abs=1e-6)
     assert (masked[0] - plain[0]).abs().max() > 1e-3
+
+
+def test_masking_keeps_no_logits_sized_tensor_for_backward():
+    """GPU-path memory contract: the masked rows' backward is recomputed from the logits the forward already holds;
+    nothing of [rows, V] is saved besides them (a plain masked_fill + logsumexp would save a second copy)."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.data_ptr(), t.numel()))
+        return t
+
+    x = torch.randn(4, 64, 500, requires_grad=True)
+    labels = torch.randint(0, 500, (4, 64))
+    kept = torch.randint(1, 50, (4, 64))
+    full = x.log_softmax(-1).gather(-1, labels[..., None])[..., 0].detach()  # upstream's part, not measured here
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out, _, _ = maths.apply_to_log_probs(x, labels, full, kept)
+    big = [(ptr, n) for ptr, n in saved if n >= 4 * 64 * 500 // 4]
+    assert big and all(ptr == x.data_ptr() for ptr, _ in big), big  # only the input logits themselves
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        saved.clear()
+        maths.masked_log_probs(x, labels, kept)  # the plain formula: saves masked copies (what the seam avoids)
+    assert any(ptr != x.data_ptr() and n >= 4 * 64 * 500 for ptr, n in saved)

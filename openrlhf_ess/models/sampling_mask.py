@@ -62,10 +62,17 @@ def support_mask(
             column = work[..., stops]
             work[..., stops] = torch.where(banned.unsqueeze(-1), torch.full_like(column, float("-inf")), column)
         full = (count == 0) | (count >= vocab)
-        index = torch.where(full, torch.full_like(count, vocab), count).clamp(1, vocab) - 1  # full: the row's min
-        ordered = work.sort(dim=-1, descending=True).values
-        kth = ordered.gather(-1, index.unsqueeze(-1))
-        mask = ((work >= kth) & (work > float("-inf"))) | (full & ~banned).unsqueeze(-1)
+        # the k-th largest value of each row: one top-k up to the largest k needed (a peaked model's supports are
+        # small, so this is far cheaper than sorting V), and the row's minimum where the whole row is kept
+        index = torch.where(full, torch.ones_like(count), count).clamp(1, vocab) - 1
+        largest = int(index.max()) + 1 if index.numel() else 1
+        kth = work.topk(largest, dim=-1).values.gather(-1, index.unsqueeze(-1))
+        if bool(full.any()):
+            kth = torch.where(full.unsqueeze(-1), work.amin(dim=-1, keepdim=True), kth)
+        mask = work >= kth
+        if bool(banned.any()):  # a banned stop token is -inf, and so may be the k-th value
+            mask &= work > float("-inf")
+        mask |= (full & ~banned).unsqueeze(-1)
         if tokens is not None:
             mask.scatter_(-1, tokens.to(mask.device, torch.long).unsqueeze(-1), True)
     return mask

@@ -25,13 +25,17 @@ import types
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-import torch
-from openrlhf.trainer.ppo_utils.experience import Experience
-from openrlhf.utils.utils import zero_pad_sequences
+from openrlhf_ess import cpu_compat
 
-from openrlhf_ess import upstream
-from openrlhf_ess.models import sampling_mask as maths
-from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED
+cpu_compat.apply()
+
+import torch  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+from openrlhf.utils.utils import zero_pad_sequences  # noqa: E402
+
+from openrlhf_ess import upstream  # noqa: E402
+from openrlhf_ess.models import sampling_mask as maths  # noqa: E402
+from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED  # noqa: E402
 
 
 @dataclass
