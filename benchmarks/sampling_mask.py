@@ -99,14 +99,15 @@ def micro(vocab: int = 151_936, tokens: int = 1024, reps: int = 5) -> dict:
     return {"vocab": vocab, "tokens": tokens, "full_s": statistics.median(full_s), "mask_s": statistics.median(mask_s)}
 
 
-def _mean(points, skip_first=False):
-    values = [v for _, v in points][1 if skip_first else 0 :]
-    return statistics.mean(values) if values else float("nan")
+def _mean(points, digits=4):
+    """Mean over the run's steps, or '–' for a metric the run does not log."""
+    values = [v for _, v in points]
+    return f"{statistics.mean(values):.{digits}f}" if values else "–"
 
 
-def _median(points):
+def _median(points, digits=2):
     values = [v for _, v in points][1:]  # the first step pays start-up costs
-    return statistics.median(values) if values else float("nan")
+    return f"{statistics.median(values):.{digits}f}" if values else "–"
 
 
 def write_markdown(results: dict, path: str, command: str) -> None:
@@ -116,6 +117,8 @@ def write_markdown(results: dict, path: str, command: str) -> None:
         f"Command: `{command}`. Async + partial rollouts, TIS cap 2, T = 1.0; every number is a per-step mean",
         "over the run (timings: the median over steps 2..n). Written by `benchmarks/sampling_mask.py`.",
         "",
+        "(`old-log-prob forwards` is logged by the non-default prox modes only: recompute runs one per step.)",
+        "",
         "| run | steps | final reward | mismatch k1 | max abs log ratio | TIS clip frac | TIS mean weight | "
         "log kept mass | make-experience s | ppo_train s | old-log-prob forwards |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -124,16 +127,15 @@ def write_markdown(results: dict, path: str, command: str) -> None:
         c = r["curves"]
         final = [v for _, v in c["reward"]][-3:]
         lines.append(
-            f"| {name} | {len(c['reward'])} | {statistics.mean(final):.3f} | {_mean(c['mismatch k1']):.4f} | "
-            f"{_mean(c['max |log ratio|']):.3f} | {_mean(c['TIS clip frac']):.4f} | "
-            f"{_mean(c['TIS mean weight']):.4f} | "
-            f"{_mean(c['log kept mass']):.4f} | {_median(c['make-experience s']):.2f} | "
-            f"{_median(c['ppo_train s']):.2f} | {_mean(c['old-log-prob forwards']):.1f} |"
+            f"| {name} | {len(c['reward'])} | {statistics.mean(final):.3f} | {_mean(c['mismatch k1'])} | "
+            f"{_mean(c['max |log ratio|'], 3)} | {_mean(c['TIS clip frac'])} | {_mean(c['TIS mean weight'])} | "
+            f"{_mean(c['log kept mass'])} | {_median(c['make-experience s'])} | {_median(c['ppo_train s'])} | "
+            f"{_mean(c['old-log-prob forwards'], 1)} |"
         )
     runs = results["runs"]
     if "fp32 recompute" in runs and "fp32 bypass" in runs:
-        ratio = _median(runs["fp32 bypass"]["curves"]["make-experience s"]) / _median(
-            runs["fp32 recompute"]["curves"]["make-experience s"]
+        ratio = float(_median(runs["fp32 bypass"]["curves"]["make-experience s"], 4)) / float(
+            _median(runs["fp32 recompute"]["curves"]["make-experience s"], 4)
         )
         lines += ["", f"bypass / recompute make-experience time (medians): **{ratio:.2f}x**."]
     m = results.get("micro")
@@ -154,11 +156,17 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=2)
     parser.add_argument("--runs", nargs="*", default=list(RUNS), help="subset of: " + "; ".join(RUNS))
     parser.add_argument("--no-micro", action="store_true", help="skip the V = 151,936 micro-benchmark")
+    parser.add_argument("--report", action="store_true", help="only rewrite results.md from --out/results.json")
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "sampling_mask"))
     add_model_arguments(parser)
     a = parser.parse_args()
     check_model_arguments(parser, a)
     os.makedirs(a.out, exist_ok=True)
+    command = "python -m benchmarks.sampling_mask " + " ".join(x for x in sys.argv[1:] if x != "--report")
+    if a.report:
+        with open(os.path.join(a.out, "results.json")) as f:
+            write_markdown(json.load(f), os.path.join(a.out, "results.md"), command.strip())
+        return
     root = tempfile.mkdtemp(prefix="ess_mask_bench_")
     world = world_for(a, root, a.prompts)
     for name in a.runs:
@@ -174,7 +182,6 @@ def main() -> None:
         results["micro"] = micro()
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
-    command = "python -m benchmarks.sampling_mask " + " ".join(sys.argv[1:])
     write_markdown(results, os.path.join(a.out, "results.md"), command.strip())
     print(open(os.path.join(a.out, "results.md")).read())
 
