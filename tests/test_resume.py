@@ -26,7 +26,8 @@ import torch
 
 from openrlhf_ess.trainer import resume
 
-N_PROMPTS, BATCH, N_SAMPLES = 32, 8, 4  # tiny_world's 32 prompts, tiny_args' batches: 4 steps per epoch
+N_PROMPTS, BATCH, N_SAMPLES, EPISODES = 32, 8, 4, 2  # tiny_world's 32 prompts, tiny_args' batches of 8
+STEPS = N_PROMPTS // BATCH * EPISODES  # 8
 
 
 # ---- the sidecar and the choice of checkpoint (no Ray) -------------------------------------------------
@@ -181,10 +182,11 @@ def _saved_step(ckpt: str) -> int:
 def test_killed_at_a_random_point_resumes_without_losing_prompts(
     tiny_world, tmp_path, mode, seed, gen_batch, half_written
 ):
-    """SIGKILL to the job's process group a seeded random 0-8 s after its step-1 checkpoint (so between
-    steps, mid-generation, mid-training or mid-save), then the same command again. Trained prompts: those
-    of the first run's steps up to the checkpoint the second run loaded, plus all of the second run's, are
-    the epoch's prompts, each n_samples_per_prompt times; exact modes are exact after the resume.
+    """SIGKILL to the job's process group a seeded random 0-6 s after its step-1 checkpoint (step 2 with
+    ``half_written``), so between steps, mid-generation, mid-training or mid-save; then the same command
+    again. Trained prompts: those of the first run's steps up to the checkpoint the second run loaded, plus
+    all of the second run's, are the prompt file's, each n_samples_per_prompt x 2 episodes times; exact
+    modes are exact after the resume.
 
     ``half_written``: after the kill the test truncates the newest checkpoint's weights file and deletes its
     sidecar (a kill during the save, simulated); the resume must load the previous one and say so."""
@@ -200,6 +202,9 @@ def test_killed_at_a_random_point_resumes_without_losing_prompts(
     args += ["--train.async_enable", "--train.partial_rollout_enable", "--ds.param_dtype", "fp32"]
     args += ["--vllm.dtype", "float32", "--algo.prox_mode", mode, "--algo.prox_audit_dir", audit]
     args += ["--ckpt.save_steps", "1", "--ckpt.load_enable"]  # upstream keeps the newest 3
+    args += ["--train.num_episodes", str(EPISODES)]
+    for flag, value in (("--rollout.max_new_tokens", "48"), ("--data.max_len", "96")):  # steps of a few s
+        args[args.index(flag) + 1] = value
     if gen_batch:
         args += ["--rollout.vllm_generate_batch_size", str(gen_batch)]
     ckpt = args[args.index("--ckpt.path") + 1]
@@ -214,11 +219,11 @@ def test_killed_at_a_random_point_resumes_without_losing_prompts(
         )
     with _Tree(first.pid) as tree:
         deadline = time.time() + 600
-        while _saved_step(ckpt) < 1:
+        while _saved_step(ckpt) < 1 + half_written:  # half-written: keep one complete checkpoint before
             assert first.poll() is None, open(os.path.join(run_dir, "first.txt")).read()[-4000:]
-            assert time.time() < deadline, "no step-1 checkpoint within 10 minutes"
+            assert time.time() < deadline, "no step-1/2 checkpoint within 10 minutes"
             time.sleep(0.2)
-        time.sleep(random.Random(seed).uniform(0, 8))
+        time.sleep(random.Random(seed).uniform(0, 6))
         tree.sample()
         os.killpg(first.pid, signal.SIGKILL)  # the job, its Ray head and workers started in its session
         first.wait(timeout=60)
@@ -226,10 +231,9 @@ def test_killed_at_a_random_point_resumes_without_losing_prompts(
     shutil.rmtree(ray_dir, ignore_errors=True)
 
     newest = _saved_step(ckpt)
-    assert 1 <= newest < N_PROMPTS // BATCH, newest  # it really stopped early
+    assert 1 <= newest < STEPS, newest  # it really stopped early
     sidecar_of_newest = os.path.join(ckpt, "_actor", f"global_step{newest}", resume.SIDECAR)
     if half_written:
-        assert newest >= 2 or not os.path.exists(sidecar_of_newest), "nothing older to fall back on"
         for path in glob.glob(os.path.join(ckpt, "_actor", f"global_step{newest}", "*model_states.pt")):
             with open(path, "r+b") as f:
                 f.truncate(1000)
@@ -254,12 +258,12 @@ def test_killed_at_a_random_point_resumes_without_losing_prompts(
     tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
     before = _trained(audit + "_first", tokenizer, prompts, last_step=restored)
     after = _trained(audit, tokenizer, prompts)
-    expected = collections.Counter({p: k * N_SAMPLES for p, k in prompts.items()})  # 1 episode
+    expected = collections.Counter({p: k * N_SAMPLES * EPISODES for p, k in prompts.items()})
     assert before + after == expected, (restored, before, after)
     assert sum(before.values()) == restored * BATCH * N_SAMPLES
 
     batches = len(glob.glob(f"{audit}/batch_v*.pt"))
-    assert batches == N_PROMPTS // BATCH - restored, (batches, restored)
+    assert batches == STEPS - restored, (batches, restored)
     if mode in ("interrupt", "snapshot"):
         checked, stale, mixed, worst, gap = audit_exactness(audit, tiny_world["model"], batches)
         assert checked > 50 and worst < 1e-4, (checked, worst)
