@@ -73,6 +73,10 @@ def test_a_save_killed_before_latest_was_written_is_moved_aside(tmp_path):
     assert open(os.path.join(ckpt, "_actor", "latest")).read() == "global_step1" and len(lines) == 1
 
 
+def test_no_sidecar_without_deepspeed_files(tmp_path):
+    assert resume.write_sidecar(str(tmp_path), 1, {}) is None and not os.listdir(tmp_path)
+
+
 def test_no_complete_checkpoint_starts_fresh_and_says_so(tmp_path):
     ckpt = str(tmp_path)
     _fake_checkpoint(ckpt, 1, complete=False)
@@ -107,16 +111,16 @@ def test_resume_handling_is_off_without_async():
     assert not resume.applies(_args(True, load=False, save_steps=-1))
     assert not resume.applies(_args(True, load=False, save_steps=float("inf")))  # upstream's -1 in the actors
     assert resume.applies(_args(True)) and resume.applies(_args(True, load=False, save_steps=2))
-    sync = _sync_args_for_controllers()
-    assert not config.needs_our_controllers(sync)  # the sync controller is upstream's: its fit() saves
+    assert not config.needs_our_controllers(_parsed())  # the sync controller is upstream's: its fit() saves
+    assert config.needs_our_controllers(_parsed("--train.async_enable"))  # ours: it writes the sidecar
 
 
-def _sync_args_for_controllers():
+def _parsed(*extra):
     from openrlhf_ess.cli.train_ppo_ray import parse_args
 
     args, _ = parse_args(
         ["--actor.model_name_or_path", "m", "--data.prompt_dataset", "p", "--reward.remote_url", "r.py"]
-        + ["--ckpt.save_steps", "1", "--ckpt.load_enable", "--ds.attn_implementation", "sdpa"]
+        + ["--ckpt.save_steps", "1", "--ckpt.load_enable", "--ds.attn_implementation", "sdpa", *extra]
     )
     return args
 

@@ -46,11 +46,14 @@ def tag_of(global_step: int) -> str:
     return f"global_step{global_step}"  # upstream's BasePPOTrainer.save_logs_and_checkpoints
 
 
-def write_sidecar(ckpt_path: str, global_step: int, state: dict) -> str:
+def write_sidecar(ckpt_path: str, global_step: int, state: dict) -> Optional[str]:
     """Write ``state`` next to DeepSpeed's files of step ``global_step`` (temp file, fsync, rename).
 
-    Call only after every rank's save returned: the file's presence says the checkpoint is complete."""
+    Call only after every rank's save returned: the file's presence says the checkpoint is complete.
+    Nothing is written where DeepSpeed wrote no step folder (e.g. upstream's --ckpt.disable_ds)."""
     folder = os.path.join(actor_dir(ckpt_path), tag_of(global_step))
+    if not os.path.isdir(folder):
+        return None
     path = os.path.join(folder, SIDECAR)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
