@@ -278,10 +278,9 @@ def test_killed_between_steps_resumes_exactly(tiny_world, tmp_path):
     import signal
     import time
 
-    import psutil
-
     from tests.helpers.e2e import REPO as E2E_REPO
     from tests.helpers.e2e import read_tensorboard, tiny_args
+    from tests.helpers.faults import _Tree, end_processes
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=32)  # tiny_world's 32 prompts: 4 steps
@@ -304,17 +303,18 @@ def test_killed_between_steps_resumes_exactly(tiny_world, tmp_path):
         tags = [open(f).read().strip() for f in glob.glob(f"{ckpt}/**/latest", recursive=True)]
         return max([int(t[len("global_step") :]) for t in tags if t.startswith("global_step")], default=0)
 
-    deadline = time.time() + 600
-    while saved_step() < 2:
-        assert first.poll() is None, open(os.path.join(run_dir, "first.txt")).read()[-4000:]
-        assert time.time() < deadline, "no step-2 checkpoint within 10 minutes"
-        time.sleep(0.2)
-    os.killpg(first.pid, signal.SIGKILL)  # the job, its Ray head and workers started in its session
-    first.wait(timeout=60)
-    # Ray's own daemons may have left the session: stop those of this run's private temp dir, by PID
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        if any(ray_dir in part for part in (proc.info["cmdline"] or [])):
-            proc.kill()
+    with _Tree(first.pid) as tree:
+        deadline = time.time() + 600
+        while saved_step() < 2:
+            assert first.poll() is None, open(os.path.join(run_dir, "first.txt")).read()[-4000:]
+            assert time.time() < deadline, "no step-2 checkpoint within 10 minutes"
+            time.sleep(0.2)
+        tree.sample()
+        os.killpg(first.pid, signal.SIGKILL)  # the job, its Ray head and workers started in its session
+        first.wait(timeout=60)
+    # Processes of the run outside its process group (Ray workers: a worker lives on until it sees its raylet
+    # gone, and may still finish a checkpoint meanwhile): ended by PID, as recorded, before the state is read
+    end_processes(tree.alive(), grace=5)
     shutil.rmtree(ray_dir, ignore_errors=True)
     killed_after = saved_step()
     assert killed_after < 4  # it really stopped early

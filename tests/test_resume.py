@@ -12,7 +12,6 @@ import collections
 import glob
 import json
 import os
-import pickle
 import random
 import shutil
 import signal
@@ -272,5 +271,3 @@ def test_killed_at_a_random_point_resumes_without_losing_prompts(
         checked, stale, mixed, worst, gap = audit_exactness(audit, tiny_world["model"], batches)
         assert checked > 50 and worst < 1e-4, (checked, worst)
     print(f"[timing] {mode}: first run {first_seconds:.0f} s, killed after step {newest}, resumed from {restored}")
-    with open(os.path.join(run_dir, "replayed.pkl"), "wb") as f:  # for a reader debugging a failure
-        pickle.dump(resume.read_sidecar(os.path.join(ckpt, "_actor", f"global_step{restored}")), f)
