@@ -360,8 +360,17 @@ def needs_versions(args: types.SimpleNamespace) -> bool:
 
 
 def needs_our_controllers(args: types.SimpleNamespace) -> bool:
-    """Whether the controller must run our generator and experience maker (else upstream's run untouched)."""
-    return needs_versions(args) or args.reward.failure_policy != "off" or args.rollout.top_k > 0
+    """Whether the controller must run our generator and experience maker (else upstream's run untouched).
+
+    Async runs that checkpoint need ours for a resume without lost prompts (trainer/resume.py)."""
+    from openrlhf_ess.trainer import resume
+
+    return (
+        needs_versions(args)
+        or args.reward.failure_policy != "off"
+        or args.rollout.top_k > 0  # upstream has no top-k flag: our generator passes it
+        or resume.applies(args)
+    )
 
 
 def logical_gpus_needed(args: types.SimpleNamespace) -> int:

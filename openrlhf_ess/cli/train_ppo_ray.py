@@ -22,6 +22,7 @@ from openrlhf_ess import cpu_compat
 cpu_compat.apply()
 
 from openrlhf_ess import config, preflight, resources, upstream  # noqa: E402
+from openrlhf_ess.trainer import resume  # noqa: E402
 
 # Environment variables forwarded to every Ray worker, with the defaults the CPU stack needs.
 _FORWARDED_ENV = {
@@ -505,6 +506,10 @@ def train(args) -> None:
     else:  # off: upstream's controllers run untouched (watched on the driver only, for the start of fit())
         from openrlhf.trainer.ppo_trainer import PPOTrainer
         from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync
+    if args.ckpt.load_enable and resume.applies(args):  # async: load the newest complete checkpoint only
+        restored = resume.prepare(args.ckpt.path)
+        if restored is not None:
+            print(resume.restored_message(restored), flush=True)
     started = threading.Event()  # set when training begins: start-up failures before, "died during the run" after
     classes.update(PPOTrainer=_FitWatch(PPOTrainer, started), PPOTrainerAsync=_FitWatch(PPOTrainerAsync, started))
     init_ray(args)

@@ -5,23 +5,40 @@ Mirrors ``openrlhf/trainer/ppo_utils/samples_generator.py``.
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator as _UpstreamSamplesGenerator
 
 from openrlhf_ess import config
+from openrlhf_ess.trainer import resume
 from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
 
 class SamplesGenerator(_UpstreamSamplesGenerator):
+    # Async resume (trainer/resume.py): (prompt, label, image) of prompts dispatched but not trained at the
+    # checkpoint, drawn before the data loader's saved position on the first call after a resume.
+    _replay: List[tuple] = ()
+
     @torch.no_grad()
     def generate_samples(self, **generate_kwargs):
         """Extends upstream's: a rollout batch in which every sample was dropped stops the run.
 
         Samples are dropped one by one (below); if none is left, upstream's advantage normalisation and
         token-mean loss divide by zero tokens, and the NaN update would silently corrupt the weights.
+
+        Async runs that checkpoint also get, on the batch's first sample, ``untrained_prompts``: the prompts
+        dispatched so far whose samples are not in this or an earlier batch although the data loader position
+        queued with this batch is past them (upstream's sample buffer, and replayed prompts not drawn yet).
+        The trainer saves them with the checkpoint of the step that trains this batch.
         """
+        if self._replay and getattr(self, "_dataloader_iter", None) is None:
+            self._dataloader_iter = self._replaying(iter(self.prompts_dataloader))
+            self._sample_buffer = []
         rollout_samples, *rest = super().generate_samples(**generate_kwargs)
         check_not_all_dropped(rollout_samples)
+        if rollout_samples and resume.applies(self.args):
+            rollout_samples[0].untrained_prompts = self.untrained_prompts()
         return (rollout_samples, *rest)
 
     def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **generate_kwargs):
@@ -30,6 +47,25 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         if self.args.rollout.top_k > 0:
             generate_kwargs.setdefault("top_k", self.args.rollout.top_k)
         return super()._dispatch_prompts_to_vllm(prompts, labels, images=images, **generate_kwargs)
+
+    def replay_first(self, prompts: List[tuple]) -> None:
+        """After a resume: draw ``prompts`` (prompt, label, image) before the data loader's next ones."""
+        self._replay = list(prompts)
+        self._dataloader_iter = None
+
+    def _replaying(self, loader_iter):
+        while self._replay:  # popped as drawn, so untrained_prompts() sees only those not drawn yet
+            prompt, label, image = self._replay.pop(0)
+            yield None, [prompt], [label], [image]
+        yield from loader_iter
+
+    def untrained_prompts(self) -> List[tuple]:
+        """(prompt, label, image) per prompt in the sample buffer (its n samples are adjacent), then the
+        replayed prompts not drawn yet."""
+        n = self.args.rollout.n_samples_per_prompt
+        buffered = getattr(self, "_sample_buffer", None) or []
+        groups = [(e.prompts[0], e.labels[0], e.images[0]) for e in buffered[::n]]
+        return groups + list(self._replay)
 
     def _process_response_into_experience(self, response, **generate_kwargs):
         """Extends upstream's conversion of one engine response.
