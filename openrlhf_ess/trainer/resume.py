@@ -128,7 +128,11 @@ def prepare(ckpt_path: str, log: Callable[[str], None] = print) -> Optional[dict
         for name in ("_actor", "_critic"):
             if os.path.isdir(os.path.join(ckpt_path, name)):
                 os.replace(os.path.join(ckpt_path, name), os.path.join(ckpt_path, f"{name}.unloadable-{stamp}"))
-        log(f"[openrlhf-ess] resume: no complete checkpoint under {folder}; starting fresh (folder moved aside)")
+        log(
+            f"[openrlhf-ess] resume: no complete checkpoint under {folder}; starting fresh (folder moved aside to "
+            f"_actor.unloadable-{stamp}). Async checkpoints written before openrlhf-ess wrote {SIDECAR} lack it "
+            "too; such a run can be continued without --train.async_enable (upstream's loader reads it)."
+        )
         return None
     if latest != tag_of(newest):
         _write_latest(folder, tag_of(newest))
