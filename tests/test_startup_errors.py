@@ -61,6 +61,32 @@ def test_a_model_that_fails_to_load_in_a_policy_rank():
     assert "/tmp/ray_x/session_latest/logs" in msg
 
 
+PORT_TB = (
+    "Traceback (most recent call last):\n"
+    '  File "/venv/torch/distributed/rendezvous.py", line 189, in _create_c10d_store\n'
+    "    return TCPStore(\n"
+    "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. "
+    "port: 35399, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n"
+)
+
+
+def test_a_rendezvous_port_taken_is_not_blamed_on_the_model():
+    """Measured when two runs started at once on one machine: the rank's rendezvous port was taken. The fix is to
+    run again, not to check the model folder (the policy rank's generic advice)."""
+
+    class DistNetworkError(Exception):
+        pass
+
+    cause = DistNetworkError(
+        "The server socket has failed to listen on any local network address. port: 35399, useIpv6: false, "
+        "code: -98, name: EADDRINUSE, message: address already in use"
+    )
+    exc = _task_error("PolicyModelActorImpl.init_model_from_pretrained", cause, 17963, PORT_TB)
+    msg = str(cli.classify_failure(exc, ARGS, started=False))
+    assert "EADDRINUSE" in msg and "port the rank had picked" in msg and "run the same command again" in msg, msg
+    assert "--actor.model_name_or_path" not in msg
+
+
 def _creation_failure(cls, pid, traceback_text, cause):
     """An actor whose ``__init__`` raised: every call to it raises ActorDiedError with Ray's rendering of the
     creation task's error (text only: Ray does not keep the exception object)."""

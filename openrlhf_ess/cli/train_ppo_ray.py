@@ -359,6 +359,9 @@ def actor_died_message(err, args) -> str:
     )
 
 
+_PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.I)
+
+
 def startup_message(exc: BaseException, args) -> str:
     """A failure before training began: which role, the first line of the real cause, and the fix."""
     origin = failure_origin(exc)
@@ -369,6 +372,11 @@ def startup_message(exc: BaseException, args) -> str:
         fix = "its output above shows why"
     elif _MEMORY.search(origin.error):
         fix = f"out of memory in the {origin.role}: {fixes[1]}"
+    elif _PORT_TAKEN.search(origin.error):
+        fix = (
+            "a port the rank had picked for torch.distributed's rendezvous was taken before it bound it (another "
+            "job starting on this machine at the same moment?); nothing is wrong with the model or flags"
+        )
     else:
         fix = fixes[0]
     verb = "failed to start" if origin.init else "died" if origin.died else "raised"
