@@ -7,6 +7,7 @@ partial rollout. Every token's μ must equal the HF log-prob under the weights o
 tagged with (fp32: ~1e-5) and not the other version's; a boundary off by one token fails.
 """
 
+import contextlib
 import os
 import time
 
@@ -133,23 +134,42 @@ class AgentExecutor(MultiTurnAgentExecutor):
 """
 
 
-def test_multi_turn_environment_tokens_carry_no_mu_or_version(tiny_world, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import SamplingParams
+@contextlib.contextmanager
+def _agent_engine(tiny_world, tmp_path, **extra):
+    """A real engine (our RolloutRayActor, fp32) running the two-turn AGENT; yields (ray, engine, tokenizer,
+    digit token ids: each turn stops at the first digit, so both turns fit in the budget)."""
+    from transformers import AutoTokenizer
 
-    from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator
-
-    model_dir = tiny_world["model"]
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_world["model"])
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT)
     digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
     with local_ray() as ray:
         from openrlhf_ess.trainer.ray.vllm_engine import RolloutRayActor
 
-        kwargs = {**_engine_kwargs(model_dir), "agent_func_path": str(agent)}
-        engine = RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(**kwargs)
-        # each turn ends at the first digit, so both turns fit in the budget
+        kwargs = {**_engine_kwargs(tiny_world["model"]), "agent_func_path": str(agent), **extra}
+        yield ray, RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(**kwargs), tok, digits
+
+
+def _generator(sampling_mask: str):
+    """Our SamplesGenerator with just the flags its response conversion reads."""
+    from types import SimpleNamespace
+
+    from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    gen = SamplesGenerator.__new__(SamplesGenerator)
+    gen.args = SimpleNamespace(
+        reward=SimpleNamespace(failure_policy="off"), algo=SimpleNamespace(sampling_mask=sampling_mask)
+    )
+    return gen
+
+
+def test_multi_turn_environment_tokens_carry_no_mu_or_version(tiny_world, tmp_path):
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    model_dir = tiny_world["model"]
+    with _agent_engine(tiny_world, tmp_path) as (ray, engine, tok, digits):
         params = SamplingParams(temperature=1.0, stop_token_ids=digits, seed=0)
         resp = ray.get(engine.generate_responses.remote("ab =", None, params, max_length=200, hf_tokenizer=tok))[0]
 
@@ -166,11 +186,7 @@ def test_multi_turn_environment_tokens_carry_no_mu_or_version(tiny_world, tmp_pa
         hf = lp[torch.arange(start - 1, end - 1), torch.tensor(obs[start:end])]
         assert (hf - torch.tensor(mu[start:end])).abs().max().item() < 1e-4
     # through the generator: environment tokens are outside action_mask, so never importance-weighted
-    from types import SimpleNamespace
-
-    gen = SamplesGenerator.__new__(SamplesGenerator)
-    gen.args = SimpleNamespace(reward=SimpleNamespace(failure_policy="off"), algo=SimpleNamespace(sampling_mask="off"))
-    exp = gen._process_response_into_experience(resp, max_len=200)
+    exp = _generator("off")._process_response_into_experience(resp, max_len=200)
     mask = exp.action_mask[0]
     assert mask[e1 - 1 : s2 - 1].sum().item() == 0 and mask.sum().item() == (e1 - s1) + (e2 - s2)
 
@@ -180,21 +196,11 @@ def test_multi_turn_kept_counts_follow_each_turn(tiny_world, tmp_path):
     environment tokens 0; μ is the truncated log-prob an independent computation gives from those supports; the
     generator aligns the counts with action_mask. A request that combines min_tokens with its own stop_token_ids
     (vLLM bans those too, which a count cannot describe) is refused with a message naming the flag."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator
-
     model_dir = tiny_world["model"]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    agent = tmp_path / "agent.py"
-    agent.write_text(AGENT)
-    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
-    with local_ray() as ray:
-        from openrlhf_ess.trainer.ray.vllm_engine import RolloutRayActor
-
-        kwargs = {**_engine_kwargs(model_dir), "agent_func_path": str(agent), "report_kept_counts": True}
-        engine = RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(**kwargs)
+    with _agent_engine(tiny_world, tmp_path, report_kept_counts=True) as (ray, engine, tok, digits):
         params = SamplingParams(temperature=1.0, top_k=5, stop_token_ids=digits, seed=0, logprobs=1)
         resp = ray.get(engine.generate_responses.remote("ab =", None, params, max_length=200, hf_tokenizer=tok))[0]
         banned = SamplingParams(temperature=1.0, top_k=5, min_tokens=1, stop_token_ids=digits, seed=0, logprobs=1)
@@ -213,12 +219,6 @@ def test_multi_turn_kept_counts_follow_each_turn(tiny_world, tmp_path):
             top = logits[t - 1].topk(5).indices
             expected = logits[t - 1, obs[t]] - logits[t - 1, top].logsumexp(-1)
             assert abs(expected.item() - mu[t]) < 1e-4
-    from types import SimpleNamespace
-
-    gen = SamplesGenerator.__new__(SamplesGenerator)
-    gen.args = SimpleNamespace(
-        reward=SimpleNamespace(failure_policy="off"), algo=SimpleNamespace(sampling_mask="keep")
-    )
-    exp = gen._process_response_into_experience(resp, max_len=200)
+    exp = _generator("keep")._process_response_into_experience(resp, max_len=200)
     mask = exp.action_mask[0].bool()
     assert ((exp.rollout_kept_counts[0] != 0) == mask).all()
