@@ -34,6 +34,9 @@ Corrections (all through ``openrlhf_ess.models.loss.PolicyLoss`` / ``corrections
 | EWMA auto + TIS            | EWMA with β = L/(1+L) (``auto``)       | min(·, 2) token | PPO clip 0.2       |
 | loglinear + TIS            | log μ + L/(L+1)(log π_θN − log μ)     | min(·, 2) token | PPO clip 0.2       |
 
+"EWMA auto" is ``--algo.prox_ewma_decay auto`` in its steady state: the trainer sets each step's β from the
+observed lag, which here is L at every step (one optimizer step per version), so the EWMA runs with β = L/(1+L).
+
 ESS-LR scales the learning rate; for plain SGD that is the gradient scaled by the same factor, which is how
 it enters here (with Adam the step is not linear in the gradient: the cosine is what carries over).
 
@@ -209,21 +212,12 @@ def quality(grads: List[torch.Tensor], ref: torch.Tensor) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# EWMA decay from the version lag (§3 of issue 15)
+# EWMA decay from the version lag (issue 15 §3; the rule is openrlhf_ess.models.corrections.ewma_decay_for_age)
 
 
 def ewma_decay_for_lag(lag: float) -> float:
-    r"""PPO-EWMA decay β whose average's mean age equals the version lag: β = L / (1 + L).
-
-    An EWMA θ̄_n = β θ̄_{n−1} + (1−β) θ_n puts weight (1−β)βᵏ on the version k steps old, so its mean age is
-    Σ_k k (1−β) βᵏ = β / (1 − β) steps. Setting that equal to the observed lag L gives β = L / (1 + L)
-    (L = 0 → β = 0: the current weights). Hilton et al., "Batch size-invariance for policy optimization"
-    (arXiv 2110.00641) tie β_prox to the intended age of the proximal policy in the same way.
-    """
-    lag = float(lag)
-    if not lag >= 0 or math.isinf(lag):
-        raise ValueError(f"version lag must be finite and >= 0, got {lag}")
-    return lag / (1.0 + lag)
+    """``--algo.prox_ewma_decay auto`` at a constant lag of ``lag`` versions of one optimizer step each."""
+    return corrections.ewma_decay_for_age(lag)
 
 
 def ewma_state(states: List[Dict[str, torch.Tensor]], decay: float, module: torch.nn.Module) -> dict:

@@ -105,19 +105,6 @@ def test_quality_metrics_by_hand():
     assert q["pairwise_cos"] == pytest.approx(0.0)
 
 
-def test_ewma_decay_for_lag_by_hand():
-    assert gq.ewma_decay_for_lag(0) == 0.0
-    assert gq.ewma_decay_for_lag(1) == 0.5
-    assert gq.ewma_decay_for_lag(3) == 0.75
-    assert gq.ewma_decay_for_lag(2.5) == pytest.approx(2.5 / 3.5)
-    # the mean age Σ_k k (1−β) βᵏ of the EWMA's weights is the lag
-    beta = gq.ewma_decay_for_lag(4)
-    assert sum(k * (1 - beta) * beta**k for k in range(2000)) == pytest.approx(4.0)
-    for bad in (-1, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="lag"):
-            gq.ewma_decay_for_lag(bad)
-
-
 @pytest.fixture(scope="module")
 def trained(tiny_world):
     tiny = gq.Tiny(tiny_world, max_new_tokens=8, samples_per_prompt=4)
