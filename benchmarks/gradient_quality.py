@@ -37,6 +37,11 @@ Corrections (all through ``openrlhf_ess.models.loss.PolicyLoss`` / ``corrections
 "EWMA auto" is ``--algo.prox_ewma_decay auto`` in its steady state: the trainer sets each step's β from the
 observed lag, which here is L at every step (one optimizer step per version), so the EWMA runs with β = L/(1+L).
 
+The KL term (``--algo.kl.use_loss``, π_ref = θ_0) is measured the same way against the per-token reverse-KL
+gradient E_π_θN[(log π_θ − log π_ref) ∇log π_θ] of the fresh batch: k3 as a loss (upstream's default),
+upstream's ``--algo.kl.unbiased_gradient`` (weight π_θ/π_old with recompute's π_old = π_θN), and our k2 with
+the TIS-capped weight (``corrections.kl_loss_k2``) over recompute's and the exact π_prox.
+
 ESS-LR scales the learning rate; for plain SGD that is the gradient scaled by the same factor, which is how
 it enters here (with Adam the step is not linear in the gradient: the cosine is what carries over).
 
@@ -71,6 +76,7 @@ from openrlhf_ess import cpu_compat  # noqa: E402
 cpu_compat.apply()  # upstream's models package imports flash_attn at module level
 
 from openrlhf.models.loss import PolicyLoss as UpstreamPolicyLoss  # noqa: E402
+from openrlhf.models.utils import compute_approx_kl  # noqa: E402
 
 from openrlhf_ess.models import corrections  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
@@ -180,6 +186,40 @@ def estimator_gradient(
     if "ESS-LR" in correction:
         flat = flat * ess_lr_scale(batch, old).to(flat.dtype)
     return flat
+
+
+# KL to π_ref as a loss (--algo.kl.use_loss), π_ref = θ_0. The reference direction is the per-token reverse-KL
+# gradient E_{π_θN}[(log π_θ − log π_ref) ∇log π_θ] on fresh samples (``kl_loss_k2`` with w = 1).
+KL_CORRECTIONS = (
+    "k3 as loss (upstream default)",
+    "upstream unbiased_gradient (recompute)",
+    "ours k2 + TIS (recompute)",
+    "ours k2 + TIS (exact π_prox)",
+)
+
+
+def kl_gradient(
+    log_prob_fn: Callable[[], torch.Tensor], params: Sequence[torch.Tensor], batch: StaleBatch, kind: str
+) -> torch.Tensor:
+    """The flat gradient of the token-mean KL loss ``kind`` on ``batch`` (``batch.prox["ref"]`` = log π_ref).
+
+    ``"reference"`` is the on-policy target, k2 with weight 1. Built with upstream's ``compute_approx_kl`` and
+    our ``corrections.kl_loss_k2`` (C = 2), as ``--algo.kl.*`` configures them.
+    """
+    log_probs, ref = log_prob_fn(), batch.prox["ref"]
+    if kind == "reference":
+        per_token = corrections.kl_loss_k2(log_probs, ref)
+    elif kind == "k3 as loss (upstream default)":
+        per_token = compute_approx_kl(log_probs, ref, kl_estimator="k3")
+    elif kind == "upstream unbiased_gradient (recompute)":
+        per_token = compute_approx_kl(log_probs, ref, batch.prox["current"], "k3", unbiased_gradient=True)
+    else:
+        prox_lp = batch.prox["exact" if "exact" in kind else "current"]
+        per_token = corrections.kl_loss_k2(log_probs, ref, prox_lp, batch.rollout_log_probs, TIS_CAP)
+    mask = batch.action_mask
+    loss = (per_token * mask).sum() / mask.sum()
+    grads = torch.autograd.grad(loss, list(params), allow_unused=True)
+    return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)])
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -323,18 +363,26 @@ class Tiny:
     def batch(self, r: Rollout, lag: int, prox_lp: Dict[str, torch.Tensor]) -> StaleBatch:
         return StaleBatch(r.advantages, r.action_mask, r.rollout_log_probs, lag, prox_lp)
 
+    def kl_gradient(self, r: Rollout, batch: StaleBatch, kind: str) -> torch.Tensor:
+        return kl_gradient(lambda: self.log_probs(r), self.params, batch, kind)
+
     def gradient(self, r: Rollout, batch: StaleBatch, correction: str, stats: Optional[dict] = None) -> torch.Tensor:
         return estimator_gradient(lambda: self.log_probs(r), self.params, batch, correction, stats)
 
 
-def on_policy_gradient(tiny: Tiny, r: Rollout, chunk: int) -> torch.Tensor:
-    """g*: the ratio-1 loss over a large fresh batch, in chunks; token-weighted, so equal to one big batch."""
+def on_policy_gradient(tiny: Tiny, r: Rollout, chunk: int, ref_state: Optional[dict] = None) -> torch.Tensor:
+    """g*: the ratio-1 loss over a large fresh batch, in chunks; token-weighted, so equal to one big batch.
+    With ``ref_state`` (π_ref's weights): the reference KL gradient instead."""
     total, n_tok = None, 0
     for s in range(0, r.sequences.shape[0], chunk):
         c = r.chunk(s, s + chunk)
         with torch.no_grad():
             current = tiny.log_probs(c)
-        g = tiny.gradient(c, tiny.batch(c, 0, {"current": current}), "none")
+        if ref_state is None:
+            g = tiny.gradient(c, tiny.batch(c, 0, {"current": current}), "none")
+        else:
+            ref = tiny.log_probs_with(ref_state, c)
+            g = tiny.kl_gradient(c, tiny.batch(c, 0, {"current": current, "ref": ref}), "reference")
         n = int(c.action_mask.sum())
         total = g * n if total is None else total + g * n
         n_tok += n
@@ -379,13 +427,18 @@ def run_once(tiny: Tiny, cfg: argparse.Namespace, lr: float, steps: int, seed: i
         on_policy_gradient(tiny, fresh.chunk(half, 2 * half), chunk),
     ]
 
+    ref_state = states[0]  # π_ref of the KL term: the initial policy
+    kl_star = on_policy_gradient(tiny, fresh, chunk, ref_state)
+
     # noise floor: K fresh batches of the stale batches' size from θ_N, the "none" loss (lag 0, ratio 1)
-    floor_grads = []
+    floor_grads, kl_floor = [], []
     for _ in range(cfg.batches):
         r = tiny.sample(B, gen)
         with torch.no_grad():
             cur = tiny.log_probs(r)
+            ref = tiny.log_probs_with(ref_state, r)
         floor_grads.append(tiny.gradient(r, tiny.batch(r, 0, {"current": cur}), "none"))
+        kl_floor.append(tiny.kl_gradient(r, tiny.batch(r, 0, {"current": cur, "ref": ref}), "reference"))
 
     ewma_fixed = ewma_state(states, EWMA_DECAY, tiny.model)
     out = {
@@ -395,11 +448,13 @@ def run_once(tiny: Tiny, cfg: argparse.Namespace, lr: float, steps: int, seed: i
         "g_star_half_cos": cosine(*g_halves),
         "noise_floor": quality(floor_grads, g_star),
         "lags": {},
+        "kl": {"g_star_norm": kl_star.norm().item(), "noise_floor": quality(kl_floor, kl_star), "lags": {}},
     }
     for L in cfg.lags:
         stale_state = states[N - L]
         ewma_auto = ewma_state(states, ewma_decay_for_lag(L), tiny.model)
         grads = {c: [] for c in CORRECTIONS}
+        kl_grads = {k: [] for k in KL_CORRECTIONS}
         clip = {c: [] for c in CORRECTIONS}
         diag = {k: [] for k in ("k1", "tis_capped", "rho_recompute", "rho_exact", "mu_err", "reward_stale")}
         for _ in range(cfg.batches):
@@ -415,12 +470,15 @@ def run_once(tiny: Tiny, cfg: argparse.Namespace, lr: float, steps: int, seed: i
                     "exact": exact,
                     "ewma": tiny.log_probs_with(ewma_fixed, r),
                     "ewma_auto": tiny.log_probs_with(ewma_auto, r),
+                    "ref": tiny.log_probs_with(ref_state, r),
                 }
             batch = tiny.batch(r, L, p)
             for c in CORRECTIONS:
                 stats = {}
                 grads[c].append(tiny.gradient(r, batch, c, stats))
                 clip[c].append(stats["clip_frac"])
+            for k in KL_CORRECTIONS:
+                kl_grads[k].append(tiny.kl_gradient(r, batch, k))
             m = r.action_mask.bool()
             diag["mu_err"].append((exact - r.rollout_log_probs)[m].abs().max().item())
             diag["k1"].append((r.rollout_log_probs - current)[m].mean().item())
@@ -438,6 +496,7 @@ def run_once(tiny: Tiny, cfg: argparse.Namespace, lr: float, steps: int, seed: i
         for c in CORRECTIONS:
             lag_out["corrections"][c]["clip_frac"] = sum(clip[c]) / len(clip[c])
         out["lags"][str(L)] = lag_out
+        out["kl"]["lags"][str(L)] = {k: quality(kl_grads[k], kl_star) for k in KL_CORRECTIONS}
     out["seconds"] = time.time() - t0
     return out
 
@@ -463,6 +522,13 @@ def mean_over_seeds(runs: List[dict]) -> dict:
     for metric in ("cos_mean", "pooled_cos", "rel_mean"):
         vals = [r["noise_floor"][metric] for r in runs]
         out["noise_floor"][metric + "_min"], out["noise_floor"][metric + "_max"] = min(vals), max(vals)
+        for L in out["kl"]["lags"]:
+            for k in KL_CORRECTIONS:
+                vals = [r["kl"]["lags"][L][k][metric] for r in runs]
+                out["kl"]["lags"][L][k][metric + "_min"], out["kl"]["lags"][L][k][metric + "_max"] = (
+                    min(vals),
+                    max(vals),
+                )
     return out
 
 
@@ -470,7 +536,7 @@ def mean_over_seeds(runs: List[dict]) -> dict:
 # Output
 
 
-def _table(reg: dict, metric: str, fmt: str = "{:.3f}") -> List[str]:
+def _table(reg: dict, metric: str, fmt: str = "{:.3f}", rows: Sequence[str] = CORRECTIONS) -> List[str]:
     lags = list(reg["lags"])
     nf = reg["noise_floor"]
     rng = reg["seeds"] > 1
@@ -485,7 +551,7 @@ def _table(reg: dict, metric: str, fmt: str = "{:.3f}") -> List[str]:
 
     lines = ["| correction | " + " | ".join(f"L={L}" for L in lags) + " |", "|---|" + "---|" * len(lags)]
     lines.append("| fresh batches (noise floor, lag 0) | " + " | ".join(cell(nf) for _ in lags) + " |")
-    for c in CORRECTIONS:
+    for c in rows:
         lines.append(f"| {c} | " + " | ".join(cell(reg["lags"][L]["corrections"][c]) for L in lags) + " |")
     return lines
 
@@ -532,6 +598,18 @@ def markdown(results: dict) -> str:
         lines += ["", "**spread tr Cov(g) / ‖mean g‖²** across the K batches:", ""] + _table(reg, "spread", "{:.2f}")
         lines += ["", "**PPO clip fraction** (tokens whose gradient the clip zeroes):", ""]
         lines += _table(reg, "clip_frac")
+        kl = {"lags": {L: {"corrections": q} for L, q in reg["kl"]["lags"].items()}, "seeds": reg["seeds"]}
+        kl["noise_floor"] = reg["kl"]["noise_floor"]
+        lines += [
+            "",
+            f"**KL to π_ref = θ_0 as a loss**: the reference is the per-token reverse-KL gradient "
+            f"E_π_θN[(log π_θ − log π_ref) ∇log π_θ] on the fresh batch (‖·‖ = {reg['kl']['g_star_norm']:.2e}). "
+            "Pooled cosine:",
+            "",
+        ]
+        lines += _table(kl, "pooled_cos", rows=KL_CORRECTIONS)
+        lines += ["", "Per-batch cosine:", ""] + _table(kl, "cos_mean", rows=KL_CORRECTIONS)
+        lines += ["", "Per-batch ‖g − g*‖/‖g*‖:", ""] + _table(kl, "rel_mean", rows=KL_CORRECTIONS)
         lines.append("")
     return "\n".join(lines)
 

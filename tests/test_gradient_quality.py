@@ -21,7 +21,7 @@ def _toy(seed=0, B=6, A=5, S=3, V=4):
     W = torch.randn(S, V, generator=g, dtype=torch.float64).requires_grad_()
     W_mu = W.detach() + 1.5 * torch.randn(S, V, generator=g, dtype=torch.float64)
     mu_all = (x @ W_mu).log_softmax(-1)
-    actions = torch.distributions.Categorical(logits=mu_all).sample()
+    actions = torch.multinomial(mu_all.exp().reshape(B * A, V), 1, generator=g).reshape(B, A)
     mask = torch.ones(B, A, dtype=torch.float64)
     mask[0, 3:] = 0  # a shorter sequence
     adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, A) * mask
@@ -32,9 +32,12 @@ def _toy(seed=0, B=6, A=5, S=3, V=4):
 
     ewma = (x @ (W.detach() + 0.3 * torch.randn(S, V, generator=g, dtype=torch.float64))).log_softmax(-1)
     ewma = ewma.gather(-1, actions[..., None])[..., 0] * mask
+    ref = (x @ (W.detach() + 0.5 * torch.randn(S, V, generator=g, dtype=torch.float64))).log_softmax(-1)
+    ref = ref.gather(-1, actions[..., None])[..., 0] * mask
     with torch.no_grad():
         current = log_prob_fn()
-    batch = gq.StaleBatch(adv, mask, mu, lag=3, prox={"current": current, "exact": mu, "ewma": ewma})
+    prox = {"current": current, "exact": mu, "ewma": ewma, "ref": ref}
+    batch = gq.StaleBatch(adv, mask, mu, lag=3, prox=prox)
     return x, W, actions, batch, log_prob_fn
 
 
@@ -95,6 +98,35 @@ def test_gradient_function_matches_hand_derived_policy_gradients_on_a_softmax_po
     assert gq.cosine(g_none, g_snap) < 0.99
 
 
+def test_kl_gradients_match_hand_derived_ones_on_a_softmax_policy():
+    x, W, actions, batch, log_prob_fn = _toy(seed=9)  # a seed where the cap, the W bound and no k3 clamp hold
+    cur, mu, ref, mask = batch.prox["current"], batch.rollout_log_probs, batch.prox["ref"], batch.action_mask
+    kl = cur - ref  # x_t = log π_θ − log π_ref
+    m = mask.bool()
+    assert ((cur - mu)[m] > math.log(CAP)).any()  # the TIS cap fires
+    # k3's clamps stay inactive: the value e^{−x} − 1 + x below 10, the exponent's bound x ≥ −10
+    assert ((-kl).exp() - 1 + kl)[m].max() < 10 and kl[m].min() > -10
+
+    # d_t = ∂(per-token loss)/∂log π_θ(a_t); the gradient is (1/n) Σ_t d_t x_t (onehot(a_t) − π(·|x_t))ᵀ
+    def analytic(d):
+        pi = (x @ W.detach()).softmax(-1)
+        onehot = torch.nn.functional.one_hot(actions, pi.shape[-1]).to(pi.dtype)
+        return (torch.einsum("bt,bts,btv->sv", d * mask, x, onehot - pi) / mask.sum()).reshape(-1)
+
+    expected = {
+        "reference": kl,  # ∇½x² with weight 1
+        "k3 as loss (upstream default)": 1 - (-kl).exp(),  # ∂(e^{−x} − 1 + x)/∂x
+        "upstream unbiased_gradient (recompute)": kl,  # w = π_θ/π_old = 1 at θ
+        "ours k2 + TIS (recompute)": (cur - mu).exp().clamp(max=CAP) * kl,  # w = min(π_θ/μ, C)
+        "ours k2 + TIS (exact π_prox)": (cur - mu).exp().clamp(max=10.0) * kl,  # (π_θ/μ)·min(1, C), bound W = 10
+    }
+    assert ((cur - mu)[m] > math.log(10.0)).any()  # the W = 10 bound fires too
+    for kind, d in expected.items():
+        got = gq.kl_gradient(log_prob_fn, [W], batch, kind)
+        # atol 1e-7: upstream's compute_approx_kl works in float32 (entries here are up to ~0.4)
+        torch.testing.assert_close(got, analytic(d), rtol=1e-6, atol=1e-7, msg=kind)
+
+
 def test_quality_metrics_by_hand():
     ref = torch.tensor([1.0, 0.0])
     q = gq.quality([torch.tensor([1.0, 1.0]), torch.tensor([1.0, -1.0])], ref)
@@ -139,6 +171,12 @@ def test_at_lag_zero_every_exact_correction_is_the_on_policy_gradient(trained):
         assert gq.cosine(g, g_star) == pytest.approx(1.0, abs=1e-5), c
         assert gq.rel_error(g, g_star) < 1e-4, c
     assert (prox["ewma"] - current).abs().max() > 1e-3
+    # the KL term at lag 0: every importance-weighted k2 gradient is the on-policy one; k3 as a loss is not
+    prox["ref"] = tiny.log_probs_with(states[0], r)
+    kl_star = tiny.kl_gradient(r, batch, "reference")
+    for kind in gq.KL_CORRECTIONS[1:]:
+        assert gq.cosine(tiny.kl_gradient(r, batch, kind), kl_star) == pytest.approx(1.0, abs=1e-5), kind
+    assert gq.rel_error(tiny.kl_gradient(r, batch, gq.KL_CORRECTIONS[0]), kl_star) > 1e-2
 
 
 def test_chunked_reference_gradient_equals_one_batch(trained):
