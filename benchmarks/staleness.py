@@ -5,7 +5,7 @@
 Trains the tiny learnable task (digit reward) through the real CLI (Ray + vLLM + DeepSpeed) at several
 staleness levels (synchronous; async with a queue of 1 and partial rollouts; async with a queue of 4 and
 partial rollouts) with each correction (none; TIS; TIS + exact π_prox (snapshot); TIS + snapshot + ESS-LR;
-TIS + EWMA π_prox), for several training seeds, one run after another. Writes, into ``--out``:
+TIS + EWMA π_prox; bypass, π_prox = μ), for several training seeds, one run after another. Writes, into ``--out``:
 ``results.json`` (every run's per-step curves), ``reward.png`` (reward vs step per staleness level, mean
 over seeds with the min–max band), ``ess_lr.png`` (ρ_ESS and the LR scale of the ESS-LR runs) and
 ``results.md`` (final reward and the measured version lag per configuration). The reading of the numbers
@@ -42,6 +42,8 @@ CORRECTIONS: Dict[str, List[str]] = {
     "TIS + snapshot": TIS + SNAPSHOT,
     "TIS + snapshot + ESS-LR": TIS + SNAPSHOT + ["--algo.ess_lr_enable"],
     "TIS + EWMA": TIS + ["--algo.prox_mode", "ewma"],
+    # π_prox = μ (no old-log-prob forward): a correction of its own, the cheapest (issue 13)
+    "bypass": ["--algo.prox_mode", "bypass"],
 }
 # Not in the default grid (choose with --corrections): ESS-LR over recompute's π_prox = π_V, whose weights
 # π_V/μ carry the staleness (with an exact π_prox they carry only the engine mismatch).
@@ -53,7 +55,7 @@ STALENESS: Dict[str, List[str]] = {
     "async q4 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "4"],
 }
 # In synchronous training every token is lag 0: the exact and EWMA proximal policies equal recompute's.
-SYNC_CORRECTIONS = ("none", "TIS")
+SYNC_CORRECTIONS = ("none", "TIS", "bypass")
 CURVES = ("train/reward", "train/version_lag/mean", "train/rho_ess", "train/lr_scale", "train/tis/clip_frac")
 
 

@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_ess_lr_arguments(parser)
     add_off_policy_arguments(parser)
     add_prox_arguments(parser)
+    add_sampling_mask_arguments(parser)
     group = parser.add_argument_group("openrlhf-ess: engine and machine")
     group.add_argument(
         "--vllm.dtype",
@@ -235,8 +236,9 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         "one actor forward per rollout batch), the PPO ratio is pi_theta/mu and the TIS weight min(pi_prox/mu, C), "
         "ESS-LR's w_i and the mismatch metrics are 1, 1 and 0 by construction. Sound only when mu is the "
         "distribution the trainer models: an fp32 engine (--vllm.dtype float32; bf16 gets a notice) and no "
-        "truncated sampling (--rollout.top_p < 1 is rejected); upstream samples the first response token with EOS "
-        "banned (min_tokens=1), so there the ratio starts at 1 - pi(EOS). Any ZeRO stage: under "
+        "truncated sampling, or truncated sampling with --algo.sampling_mask keep (--rollout.top_p < 1 or "
+        "--rollout.top_k without it is rejected); without the mask upstream's first response token, sampled "
+        "with EOS banned (min_tokens=1), starts at ratio 1 - pi(EOS). Any ZeRO stage: under "
         "ZeRO-3 snapshot/ewma/interrupt keep each rank's partition (host memory / number of ranks).",
     )
     group.add_argument(
@@ -294,6 +296,49 @@ def ewma_decay_arg(text: str):
         raise argparse.ArgumentTypeError(f"expected a decay in (0, 1) or '{EWMA_DECAY_AUTO}', got {text!r}") from None
 
 
+SAMPLING_MASK_MODES = ("off", "keep")
+
+
+def add_sampling_mask_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "openrlhf-ess: truncated sampling (top-p / top-k)",
+        "With top-p or top-k the engine samples from the truncated, renormalised distribution, and mu is its "
+        "log-prob; the trainer's log-probs are full-vocabulary, so every token carries a phantom mismatch of "
+        "log Z_t (the kept mass). docs/sampling_mask.md.",
+    )
+    group.add_argument(
+        "--algo.sampling_mask",
+        type=str,
+        default="off",
+        choices=list(SAMPLING_MASK_MODES),
+        help="off: upstream (full-vocabulary log-probs; default, bit-exact). keep: the engine reports per sampled "
+        "token the size k_t of the support it kept (0 extra bytes: it rides in the log-prob's rank field), and "
+        "the trainer computes log pi_theta, log pi_prox (every --algo.prox_mode) and log pi_ref over the same "
+        "top-k_t tokens of its own logits, renormalised. TIS, ESS-LR, the mismatch metrics and the PPO ratio "
+        "then compare distributions on the same support, and the gradient is the truncated policy's. Also "
+        "removes the first response token's EOS ban (upstream's min_tokens=1) from the mismatch. Metric: "
+        "sampling_mask/log_kept_mass (mean log Z_t of pi_theta). Cost: a top-k of the [V] logits at each "
+        "response token in the actor's forwards.",
+    )
+    group.add_argument(
+        "--rollout.top_k",
+        type=int,
+        default=-1,
+        help="openrlhf-ess: top-k sampling in the rollout engines (-1: off, upstream's only setting). Like "
+        "--rollout.top_p, pair it with --algo.sampling_mask keep for off-policy corrections that see only "
+        "staleness and numerics.",
+    )
+
+
+def sampling_mask_on(args: types.SimpleNamespace) -> bool:
+    return getattr(args.algo, "sampling_mask", "off") == "keep"
+
+
+def truncates_sampling(args: types.SimpleNamespace) -> bool:
+    """Whether the engines sample from a truncated distribution (top-p < 1 or top-k on)."""
+    return 0 < args.rollout.top_p < 1 or getattr(args.rollout, "top_k", -1) > 0
+
+
 def mu_consumers(args: types.SimpleNamespace) -> List[str]:
     """The flags of the enabled features that consume mu, the engine's sampled-token log-probs."""
     algo = args.algo
@@ -308,6 +353,8 @@ def mu_consumers(args: types.SimpleNamespace) -> List[str]:
         out.append("--algo.kl.off_policy_k2_enable")
     if algo.prox_mode != "recompute":
         out.append(f"--algo.prox_mode {algo.prox_mode}")
+    if sampling_mask_on(args):
+        out.append("--algo.sampling_mask keep")
     return out
 
 
@@ -329,8 +376,17 @@ def needs_versions(args: types.SimpleNamespace) -> bool:
 
 
 def needs_our_controllers(args: types.SimpleNamespace) -> bool:
-    """Whether the controller must run our generator and experience maker (else upstream's run untouched)."""
-    return needs_versions(args) or args.reward.failure_policy != "off"
+    """Whether the controller must run our generator and experience maker (else upstream's run untouched).
+
+    Async runs that checkpoint need ours for a resume without lost prompts (trainer/resume.py)."""
+    from openrlhf_ess.trainer import resume
+
+    return (
+        needs_versions(args)
+        or args.reward.failure_policy != "off"
+        or args.rollout.top_k > 0  # upstream has no top-k flag: our generator passes it
+        or resume.applies(args)
+    )
 
 
 def logical_gpus_needed(args: types.SimpleNamespace) -> int:
@@ -451,6 +507,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             "add --algo.ess_lr_enable, or drop them."
         )
     _validate_off_policy(args, notices)
+    _validate_sampling_mask(args, notices)
     if args.ds.param_dtype == "fp32" and not on_cpu:
         notices.append("--ds.param_dtype fp32 on GPU: DeepSpeed trains in full precision (slower, exact).")
     return notices
@@ -498,7 +555,8 @@ def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> Non
     _validate_prox(args, notices)
     if needs_rollout_logprobs(args) and not args.vllm.num_engines:
         raise ConfigError(
-            "rollout log-probs (mu) come from vLLM engines: the off-policy features need --vllm.num_engines >= 1."
+            f"rollout log-probs (mu) come from vLLM engines: {', '.join(mu_consumers(args))} need "
+            "--vllm.num_engines >= 1."
         )
     if needs_rollout_logprobs(args) and not upstream_is and algo.tis_cap is None:
         notices.append("vLLM engines will return sampled-token log-probs (mu), as the enabled features need them.")
@@ -590,14 +648,15 @@ def _validate_bypass(args: types.SimpleNamespace, notices: List[str]) -> None:
             "--algo.prox_mode bypass uses the engines' sampled-token log-probs (mu) as pi_prox: it needs vLLM "
             "engines, set --vllm.num_engines >= 1 (or keep --algo.prox_mode recompute)."
         )
-    if 0 < args.rollout.top_p < 1:  # out-of-range values are preflight's
+    if truncates_sampling(args) and not sampling_mask_on(args):
         # μ is then the truncated, renormalised distribution's log-prob (log π - log Z_t): in the PPO ratio
         # π_θ/μ that is a phantom ratio Z_t < 1 on every token, which the clip turns into lost gradient
         raise ConfigError(
-            f"--algo.prox_mode bypass with --rollout.top_p {args.rollout.top_p}: mu is then the log-prob of the "
-            "truncated, renormalised distribution, not the policy the trainer models, and the PPO ratio "
-            "pi_theta/mu would start at the kept mass (< 1) on every token. Use --rollout.top_p 1, or "
-            "--algo.prox_mode recompute."
+            f"--algo.prox_mode bypass with --rollout.top_p {args.rollout.top_p} / --rollout.top_k "
+            f"{args.rollout.top_k}: mu is then the log-prob of the truncated, renormalised distribution, not the "
+            "policy the trainer models, and the PPO ratio pi_theta/mu would start at the kept mass (< 1) on every "
+            "token. Add --algo.sampling_mask keep (the trainer then models the truncated policy), or use "
+            "--rollout.top_p 1 --rollout.top_k -1, or --algo.prox_mode recompute."
         )
     if algo.prox_missing != "mask":
         raise ConfigError(
@@ -621,4 +680,24 @@ def _validate_bypass(args: types.SimpleNamespace, notices: List[str]) -> None:
         notices.append(
             "--algo.prox_mode bypass with --algo.ess_lr_enable: every w_i = exp(mean(log pi_prox - log mu)) = 1, "
             "so rho_ess = 1 and the LR scale is 1 (the flag changes nothing in this mode)."
+        )
+
+
+def _validate_sampling_mask(args: types.SimpleNamespace, notices: List[str]) -> None:
+    """--rollout.top_k and --algo.sampling_mask keep (docs/sampling_mask.md)."""
+    top_k = args.rollout.top_k
+    if top_k == 0 or top_k < -1:
+        raise ConfigError(f"--rollout.top_k must be -1 (off) or >= 1, got {top_k}.")
+    if not sampling_mask_on(args):
+        return
+    if args.ds.ring_attn_size > 1:
+        raise ConfigError(
+            f"--algo.sampling_mask keep with --ds.ring_attn_size {args.ds.ring_attn_size}: the per-token kept "
+            "counts are not sliced across ring-attention ranks yet. Use --ds.ring_attn_size 1, or drop the flag."
+        )
+    if not truncates_sampling(args):
+        notices.append(
+            "--algo.sampling_mask keep with --rollout.top_p 1 and --rollout.top_k -1: sampling is not truncated, so "
+            "the mask only takes out the first response token's EOS ban (upstream samples it with min_tokens=1); "
+            "every other token's support is the whole vocabulary."
         )

@@ -168,8 +168,8 @@ def rebind(
 def run_train(args: types.SimpleNamespace, classes: Dict[str, Any]) -> None:
     """Run upstream's ``train(args)`` (the whole Ray job) with our classes substituted.
 
-    ``classes`` may hold ``PolicyModelActor``, ``create_vllm_engines``, ``PPOTrainer`` and
-    ``PPOTrainerAsync``; missing keys keep upstream's.
+    ``classes`` may hold ``PolicyModelActor``, ``ReferenceModelActor``, ``create_vllm_engines``, ``PPOTrainer``
+    and ``PPOTrainerAsync``; missing keys keep upstream's.
     """
     module = upstream_cli_module()
     trainer_overrides = {}
@@ -177,7 +177,9 @@ def run_train(args: types.SimpleNamespace, classes: Dict[str, Any]) -> None:
         trainer_overrides["openrlhf.trainer.ppo_trainer"] = {"PPOTrainer": classes["PPOTrainer"]}
     if "PPOTrainerAsync" in classes:
         trainer_overrides["openrlhf.trainer.ppo_trainer_async"] = {"PPOTrainerAsync": classes["PPOTrainerAsync"]}
-    globals_override = {k: v for k, v in classes.items() if k in ("PolicyModelActor", "create_vllm_engines")}
+    globals_override = {
+        k: v for k, v in classes.items() if k in ("PolicyModelActor", "ReferenceModelActor", "create_vllm_engines")
+    }
     rebind(module.train, globals_override, trainer_overrides)(args)
 
 
@@ -196,3 +198,25 @@ def with_actor_trainer(init: Callable, trainer_cls: type) -> Callable:
 def group_actors(group: Any) -> list:
     """The Ray actor handles of one of upstream's ``RayActorGroup`` (one per rank, in rank order)."""
     return list(group._actor_handlers)
+
+
+def actor_forward_with_log_probs(log_probs_fn: Callable) -> Callable:
+    """Upstream's ``Actor.forward`` computing its token log-probs with ``log_probs_fn`` (same signature as
+    ``openrlhf.models.utils.log_probs_from_logits``, which it receives the temperature-scaled fp32 logits
+    and the rolled labels in; the sampling mask's seam, ``trainer/sampling_mask.py``)."""
+    from openrlhf.models.actor import Actor
+
+    return rebind(Actor.forward, {"log_probs_from_logits": log_probs_fn})
+
+
+def upstream_log_probs_from_logits() -> Callable:
+    from openrlhf.models.utils import log_probs_from_logits
+
+    return log_probs_from_logits
+
+
+def reference_actor_class() -> type:
+    """The plain class behind upstream's ``ReferenceModelActor`` (for subclassing)."""
+    from openrlhf.trainer.ray.launcher import ReferenceModelActor
+
+    return ray_actor_class(ReferenceModelActor)

@@ -232,7 +232,9 @@ def test_failed_reward_policies(reward):
         "reward": reward,
         "scores": reward,
     }
-    gen.args = SimpleNamespace(reward=SimpleNamespace(failure_policy="stop"))
+    gen.args = SimpleNamespace(
+        reward=SimpleNamespace(failure_policy="stop"), algo=SimpleNamespace(sampling_mask="off")
+    )
     with pytest.raises(RuntimeError, match="--reward.failure_policy drop"):
         gen._process_response_into_experience(response, max_len=64)
     gen.args.reward.failure_policy = "drop"

@@ -64,13 +64,15 @@ def test_gpu_recipe_passes_validation(script, monkeypatch):
 
 
 def _benchmark_configs():
-    from benchmarks import overhead, staleness
+    from benchmarks import overhead, sampling_mask, staleness
 
     for group, configs in overhead.GROUPS.items():
         for name, flags in configs.items():
             yield f"overhead/{group}/{name}", flags
     for level, name in staleness.grid(list(staleness.STALENESS), list(staleness.ALL_CORRECTIONS)):
         yield f"staleness/{level}/{name}", staleness.STALENESS[level] + staleness.ALL_CORRECTIONS[name]
+    for name, flags in sampling_mask.RUNS.items():
+        yield f"sampling_mask/{name}", sampling_mask.ASYNC + flags
 
 
 @pytest.mark.parametrize("name, flags", list(_benchmark_configs()), ids=lambda x: x if isinstance(x, str) else "")

@@ -10,6 +10,7 @@ tagged with (fp32: ~1e-5) and not the other version's; a boundary off by one tok
 import os
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file, save
 
@@ -168,7 +169,56 @@ def test_multi_turn_environment_tokens_carry_no_mu_or_version(tiny_world, tmp_pa
     from types import SimpleNamespace
 
     gen = SamplesGenerator.__new__(SamplesGenerator)
-    gen.args = SimpleNamespace(reward=SimpleNamespace(failure_policy="off"))
+    gen.args = SimpleNamespace(reward=SimpleNamespace(failure_policy="off"), algo=SimpleNamespace(sampling_mask="off"))
     exp = gen._process_response_into_experience(resp, max_len=200)
     mask = exp.action_mask[0]
     assert mask[e1 - 1 : s2 - 1].sum().item() == 0 and mask.sum().item() == (e1 - s1) + (e2 - s2)
+
+
+def test_multi_turn_kept_counts_follow_each_turn(tiny_world, tmp_path):
+    """--algo.sampling_mask keep on the agent path: each generate() call's tokens get k_t from the engine (top-k 5),
+    environment tokens 0; μ is the truncated log-prob an independent computation gives from those supports; the
+    generator aligns the counts with action_mask. A request that combines min_tokens with its own stop_token_ids
+    (vLLM bans those too, which a count cannot describe) is refused with a message naming the flag."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
+
+    from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    model_dir = tiny_world["model"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
+    with local_ray() as ray:
+        from openrlhf_ess.trainer.ray.vllm_engine import RolloutRayActor
+
+        kwargs = {**_engine_kwargs(model_dir), "agent_func_path": str(agent), "report_kept_counts": True}
+        engine = RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(**kwargs)
+        params = SamplingParams(temperature=1.0, top_k=5, stop_token_ids=digits, seed=0, logprobs=1)
+        resp = ray.get(engine.generate_responses.remote("ab =", None, params, max_length=200, hf_tokenizer=tok))[0]
+        banned = SamplingParams(temperature=1.0, top_k=5, min_tokens=1, stop_token_ids=digits, seed=0, logprobs=1)
+        with pytest.raises(Exception, match="--algo.sampling_mask keep: a request sets stop_token_ids"):
+            ray.get(engine.generate_responses.remote("ab =", None, banned, max_length=200, hf_tokenizer=tok))
+
+    obs, kept, mu = resp["observation_tokens"], resp["rollout_kept_counts"], resp["rollout_log_probs"]
+    (s1, e1), (s2, e2) = resp["action_ranges"]
+    assert all(k == 0 for k in kept[:s1] + kept[e1:s2])  # prompt and environment feedback: not truncated
+    assert all(k == 5 for k in kept[s1:e1] + kept[s2:e2])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([obs])).logits[0].float()
+    for start, end in ((s1, e1), (s2, e2)):
+        for t in range(start, end):
+            top = logits[t - 1].topk(5).indices
+            expected = logits[t - 1, obs[t]] - logits[t - 1, top].logsumexp(-1)
+            assert abs(expected.item() - mu[t]) < 1e-4
+    from types import SimpleNamespace
+
+    gen = SamplesGenerator.__new__(SamplesGenerator)
+    gen.args = SimpleNamespace(
+        reward=SimpleNamespace(failure_policy="off"), algo=SimpleNamespace(sampling_mask="keep")
+    )
+    exp = gen._process_response_into_experience(resp, max_len=200)
+    mask = exp.action_mask[0].bool()
+    assert ((exp.rollout_kept_counts[0] != 0) == mask).all()

@@ -22,6 +22,7 @@ from openrlhf_ess import cpu_compat
 cpu_compat.apply()
 
 from openrlhf_ess import config, preflight, resources, upstream  # noqa: E402
+from openrlhf_ess.trainer import resume  # noqa: E402
 
 # Environment variables forwarded to every Ray worker, with the defaults the CPU stack needs.
 _FORWARDED_ENV = {
@@ -495,12 +496,20 @@ def train(args) -> None:
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
     classes = {"PolicyModelActor": PolicyModelActor, "create_vllm_engines": create_vllm_engines(args)}
+    if config.sampling_mask_on(args):  # π_ref over the kept support too
+        from openrlhf_ess.trainer.ray.ref_actor import ReferenceModelActor
+
+        classes["ReferenceModelActor"] = ReferenceModelActor
     if config.needs_our_controllers(args):
         from openrlhf_ess.trainer.ppo_trainer import PPOTrainer
         from openrlhf_ess.trainer.ppo_trainer_async import PPOTrainerAsync
     else:  # off: upstream's controllers run untouched (watched on the driver only, for the start of fit())
         from openrlhf.trainer.ppo_trainer import PPOTrainer
         from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync
+    if args.ckpt.load_enable and resume.applies(args):  # async: load the newest complete checkpoint only
+        restored = resume.prepare(args.ckpt.path)
+        if restored is not None:
+            print(resume.restored_message(restored), flush=True)
     started = threading.Event()  # set when training begins: start-up failures before, "died during the run" after
     classes.update(PPOTrainer=_FitWatch(PPOTrainer, started), PPOTrainerAsync=_FitWatch(PPOTrainerAsync, started))
     init_ray(args)

@@ -99,7 +99,8 @@ class ScoreAtSyncMixin(_upstream.BasePPOTrainer):
                 continue
             todo.append(report)
         self.consumed.clear()
-        log_probs = self._score(version, [r["stream"] for r in todo]) if todo else []
+        kept = [r["kept"] for r in todo] if config.sampling_mask_on(self.args) else None
+        log_probs = self._score(version, [r["stream"] for r in todo], kept) if todo else []
         for report, lp in zip(todo, log_probs):
             self.prox_store.put(report["stream"], report["versions"], version, lp)
         scored_s = time.time() - t0
@@ -120,12 +121,17 @@ class ScoreAtSyncMixin(_upstream.BasePPOTrainer):
         metrics["prox/store_entries"] = float(len(self.prox_store))
         self.prox_sync_metrics = metrics
 
-    def _score(self, version: int, streams):
+    def _score(self, version: int, streams, kept=None):
         if self.prox_scorer is not None:
-            return ray.get(self.prox_scorer.score.remote(version, streams))
+            return ray.get(self.prox_scorer.score.remote(version, streams, kept))
         actors = upstream.group_actors(self.actor_model_group)
         # every rank gets a share (maybe none): under ZeRO-3 all of them must take part in the forwards
         size = -(-len(streams) // len(actors))
-        chunks = [streams[i * size : (i + 1) * size] for i in range(len(actors))]
-        results = ray.get([actor.score_streams.remote(version, chunk) for actor, chunk in zip(actors, chunks)])
+        chunks = [slice(i * size, (i + 1) * size) for i in range(len(actors))]
+        results = ray.get(
+            [
+                actor.score_streams.remote(version, streams[part], None if kept is None else kept[part])
+                for actor, part in zip(actors, chunks)
+            ]
+        )
         return [lp for chunk in results for lp in chunk]

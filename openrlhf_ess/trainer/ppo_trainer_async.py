@@ -13,6 +13,7 @@ import ray  # noqa: E402
 from openrlhf.trainer import ppo_trainer_async as _upstream  # noqa: E402
 
 from openrlhf_ess import upstream  # noqa: E402
+from openrlhf_ess.trainer import resume  # noqa: E402
 from openrlhf_ess.trainer.ppo_trainer import OffPolicyControllerMixin, ScoreAtSyncMixin  # noqa: E402
 from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
 
@@ -25,6 +26,13 @@ class GenerateSamplesActorImpl(_UpstreamGenerate):
     # Upstream's init, building our SamplesGenerator (keeps versions, checks μ).
     __init__ = upstream.rebind(_UpstreamGenerate.__init__, {"SamplesGenerator": SamplesGenerator})
 
+    def load_state_dict(self, state_dict):
+        """Extends upstream's (the data loader's saved position, on resume): the prompts dispatched but not
+        trained at the checkpoint, from our sidecar of the checkpoint the actors loaded, are drawn first."""
+        super().load_state_dict(state_dict)
+        sidecar = resume.loaded_sidecar(self.args.ckpt.path) or {}
+        self.samples_generator.replay_first(sidecar.get("replay", []))
+
 
 class TrainingActorImpl(OffPolicyControllerMixin, _UpstreamTraining, ScoreAtSyncMixin):
     # MRO: ours, upstream's TrainingActor (lock + pause around the sync), ScoreAtSyncMixin (scores inside
@@ -33,6 +41,30 @@ class TrainingActorImpl(OffPolicyControllerMixin, _UpstreamTraining, ScoreAtSync
         super().__init__(pretrain, *args, **kwargs)
         self.adopt_experience_maker()
         self.setup_score_at_sync(pretrain)
+        self._untrained_prompts = []
+
+    def train_step(self, rollout_samples, global_step):
+        """Wraps upstream's: remember the batch's untrained prompts (SamplesGenerator) for the checkpoint."""
+        if rollout_samples:
+            self._untrained_prompts = getattr(rollout_samples[0], "untrained_prompts", [])
+        return super().train_step(rollout_samples, global_step)
+
+    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+        """Extends upstream's: after every rank's save returned, our sidecar (trainer/resume.py) completes the
+        checkpoint: the prompts to replay on resume, and what the resume prints."""
+        super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
+        if resume.applies(self.args) and global_step % self.args.ckpt.save_steps == 0:
+            states = client_states or {}
+            resume.write_sidecar(
+                self.args.ckpt.path,
+                global_step,
+                {
+                    "replay": self._untrained_prompts,
+                    "episode": states.get("episode", 0),
+                    "prompts_trained": states.get("total_consumed_prompts", 0) - len(self._untrained_prompts),
+                    "weight_version": self.weight_version,
+                },
+            )
 
 
 GenerateSamplesActor = ray.remote(GenerateSamplesActorImpl)

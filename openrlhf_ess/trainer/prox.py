@@ -22,6 +22,8 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
+from openrlhf_ess.models import sampling_mask
+
 State = Dict[str, torch.Tensor]
 
 
@@ -176,7 +178,13 @@ MICRO_BATCH = 16  # streams per forward when scoring at a sync
 
 @torch.no_grad()
 def stream_log_probs(
-    model: torch.nn.Module, streams, temperature: float = 1.0, micro_batch: int = MICRO_BATCH, forwards: int = 0
+    model: torch.nn.Module,
+    streams,
+    temperature: float = 1.0,
+    micro_batch: int = MICRO_BATCH,
+    forwards: int = 0,
+    kept=None,
+    stop_ids=(),
 ):
     """log π(s_t | s_<t) for t >= 1 of each token stream, as the actor's forward computes it.
 
@@ -184,6 +192,8 @@ def stream_log_probs(
     attention mask) and the logits are divided by the sampling temperature in fp32 before the softmax.
     Returns one fp32 CPU tensor of length len(stream) - 1 per stream. ``forwards``: run at least this many
     forwards (padding with a one-token one), so ZeRO-3 ranks with fewer streams join every gather.
+    ``kept`` (--algo.sampling_mask keep): per stream, the engine's kept count of each token (0 for prompt
+    tokens); token t's log-prob is then renormalised over its kept support (``models/sampling_mask.py``).
     """
     device = next(model.parameters()).device
     out = []
@@ -200,7 +210,14 @@ def stream_log_probs(
         ).logits.float()
         if temperature != 1.0:
             logits = logits / temperature
-        lp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None].to(device))[..., 0].cpu()
+        labels = ids[:, 1:].to(device)
+        lp = logits[:, :-1].log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+        if kept is not None:
+            counts = torch.zeros(len(chunk), width, dtype=torch.long)
+            for i, k in enumerate(kept[start : start + micro_batch]):
+                counts[i, : len(k)] = torch.as_tensor(k, dtype=torch.long)
+            lp, _, _ = sampling_mask.apply_to_log_probs(logits[:, :-1], labels, lp, counts[:, 1:].to(device), stop_ids)
+        lp = lp.cpu()
         out.extend(lp[i, : len(s) - 1] for i, s in enumerate(chunk))
     for _ in range(forwards - forwards_needed(len(streams), micro_batch)):
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))

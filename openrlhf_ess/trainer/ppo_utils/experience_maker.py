@@ -14,10 +14,10 @@ import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as _UpstreamRemoteExperienceMaker
 from openrlhf.utils.utils import zero_pad_sequences
 
-from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES
+from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES, sampling_mask_on
 from openrlhf_ess.models import corrections
-from openrlhf_ess.trainer.ppo_utils.samples_generator import versions_or_untagged
-from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION
+from openrlhf_ess.trainer.ppo_utils.samples_generator import kept_or_untruncated, versions_or_untagged
+from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
 LAG_BUCKETS = (0, 1, 2, 3)  # version-lag histogram: lag 0, 1, 2, and >= 3
 
@@ -36,16 +36,21 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         return ours
 
     def split_rollout_samples(self, rollout_samples):
-        """Extends upstream's split: carry the per-token versions into each micro-batch.
+        """Extends upstream's split: carry the per-token versions (and kept counts) into each micro-batch.
 
         Upstream records each sample's position in ``index`` and right-pads step fields, so the
-        versions are padded the same way (with NO_VERSION).
+        versions are padded the same way (with NO_VERSION; kept counts with NOT_TRUNCATED).
         """
         samples_list = super().split_rollout_samples(rollout_samples)
+        mask = sampling_mask_on(self.args)
         for batch in samples_list:
+            width = batch.action_mask.shape[1]
             rows = [versions_or_untagged(rollout_samples[i])[0] for i in batch.index]
-            versions = zero_pad_sequences(rows, side="right", value=NO_VERSION, stack=True)
-            batch.rollout_versions = versions[:, : batch.action_mask.shape[1]]
+            batch.rollout_versions = zero_pad_sequences(rows, side="right", value=NO_VERSION, stack=True)[:, :width]
+            if mask:
+                rows = [kept_or_untruncated(rollout_samples[i])[0] for i in batch.index]
+                kept = zero_pad_sequences(rows, side="right", value=NOT_TRUNCATED, stack=True)
+                batch.rollout_kept_counts = kept[:, :width]
         return samples_list
 
     def _dispatch_forward(self, group, sync_condition, **kwargs):
@@ -62,6 +67,9 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
             self._actor_forwards += 1
         if group is self.actor_model_group and self.args.algo.prox_mode in ("snapshot", "ewma"):
             kwargs["rollout_versions"] = [s.rollout_versions for s in self._samples_in_flight]
+        if sampling_mask_on(self.args) and group in (self.actor_model_group, self.initial_model_group):
+            # π_prox and π_ref over the support each token was sampled from (trainer/sampling_mask.py)
+            kwargs["rollout_kept_counts"] = [s.rollout_kept_counts for s in self._samples_in_flight]
         return super()._dispatch_forward(group, sync_condition, **kwargs)
 
     def _duplicate_factor(self) -> int:
@@ -229,8 +237,10 @@ def write_audit_batch(folder: str, version: int, experiences) -> None:
         "rollout_versions",
         "action_log_probs",
         "rollout_log_probs",
+        "base_action_log_probs",
+        "rollout_kept_counts",
     )
-    batch = [{f: getattr(exp, f) for f in fields} for exp in experiences]
+    batch = [{f: getattr(exp, f, None) for f in fields} for exp in experiences]
     torch.save({"weight_version": version, "micro_batches": batch}, os.path.join(folder, f"batch_v{version}.pt"))
 
 

@@ -5,23 +5,67 @@ Mirrors ``openrlhf/trainer/ppo_utils/samples_generator.py``.
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator as _UpstreamSamplesGenerator
 
-from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION
+from openrlhf_ess import config
+from openrlhf_ess.trainer import resume
+from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
 
 class SamplesGenerator(_UpstreamSamplesGenerator):
+    # Async resume (trainer/resume.py): (prompt, label, image) of prompts dispatched but not trained at the
+    # checkpoint, drawn before the data loader's saved position on the first call after a resume.
+    _replay: List[tuple] = ()
+
     @torch.no_grad()
     def generate_samples(self, **generate_kwargs):
         """Extends upstream's: a rollout batch in which every sample was dropped stops the run.
 
         Samples are dropped one by one (below); if none is left, upstream's advantage normalisation and
         token-mean loss divide by zero tokens, and the NaN update would silently corrupt the weights.
+
+        Async runs that checkpoint also get, on the batch's first sample, ``untrained_prompts``: the prompts
+        dispatched so far whose samples are not in this or an earlier batch although the data loader position
+        queued with this batch is past them (upstream's sample buffer, and replayed prompts not drawn yet).
+        The trainer saves them with the checkpoint of the step that trains this batch.
         """
+        if self._replay and getattr(self, "_dataloader_iter", None) is None:
+            self._dataloader_iter = self._replaying(iter(self.prompts_dataloader))
+            self._sample_buffer = []
         rollout_samples, *rest = super().generate_samples(**generate_kwargs)
         check_not_all_dropped(rollout_samples)
+        if rollout_samples and resume.applies(self.args):
+            rollout_samples[0].untrained_prompts = self.untrained_prompts()
         return (rollout_samples, *rest)
+
+    def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **generate_kwargs):
+        """Extends upstream's: ``--rollout.top_k`` reaches the engines (upstream reads ``top_k`` from the
+        generate kwargs but has no flag for it)."""
+        if self.args.rollout.top_k > 0:
+            generate_kwargs.setdefault("top_k", self.args.rollout.top_k)
+        return super()._dispatch_prompts_to_vllm(prompts, labels, images=images, **generate_kwargs)
+
+    def replay_first(self, prompts: List[tuple]) -> None:
+        """After a resume: draw ``prompts`` (prompt, label, image) before the data loader's next ones."""
+        self._replay = list(prompts)
+        self._dataloader_iter = None
+
+    def _replaying(self, loader_iter):
+        while self._replay:  # popped as drawn, so untrained_prompts() sees only those not drawn yet
+            prompt, label, image = self._replay.pop(0)
+            yield None, [prompt], [label], [image]
+        yield from loader_iter
+
+    def untrained_prompts(self) -> List[tuple]:
+        """(prompt, label, image) per prompt in the sample buffer (its n samples are adjacent), then the
+        replayed prompts not drawn yet."""
+        n = self.args.rollout.n_samples_per_prompt
+        buffered = getattr(self, "_sample_buffer", None) or []
+        groups = [(e.prompts[0], e.labels[0], e.images[0]) for e in buffered[::n]]
+        return groups + list(self._replay)
 
     def _process_response_into_experience(self, response, **generate_kwargs):
         """Extends upstream's conversion of one engine response.
@@ -29,6 +73,9 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         - ``experience.rollout_versions`` (1, A): the weight version that sampled each action token
           (NO_VERSION elsewhere), aligned with ``rollout_log_probs`` and ``action_mask``. A plain
           attribute, not an Experience field: it is consumed by the experience maker on the controller.
+        - ``experience.rollout_kept_counts`` (1, A), --algo.sampling_mask keep: the engine's kept-support size
+          per action token (NOT_TRUNCATED elsewhere), same alignment; a plain attribute carried to the actors'
+          replay buffer (``trainer/sampling_mask.py``).
         - With --reward.failure_policy, a sample whose reward is None (the reward function raised) or not
           finite either stops the run or is masked out with reward 0, counted in ``info["reward_failed"]``.
         - A sample whose μ is NaN or ±inf on a sampled token is masked out (action_mask = 0, μ set to 0
@@ -55,6 +102,15 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         versions = response.get("rollout_versions")
         if versions is not None:
             experience.rollout_versions = torch.tensor(versions[1:truncate_length], dtype=torch.long).unsqueeze(0)
+        if config.sampling_mask_on(self.args):
+            kept = response.get("rollout_kept_counts")
+            if kept is None:
+                raise RuntimeError(
+                    "--algo.sampling_mask keep: a response came back without kept counts from the engine, so the "
+                    "support its tokens were sampled from is unknown. An agent (--train.agent_func_path) must "
+                    "generate through the llm_engine it is given; otherwise this is a bug, please report it."
+                )
+            experience.rollout_kept_counts = torch.tensor(kept[1:truncate_length], dtype=torch.long).unsqueeze(0)
         mu = experience.rollout_log_probs
         if mu is not None:
             bad = ~torch.isfinite(mu) & experience.action_mask.bool()
@@ -93,6 +149,14 @@ def _finite_number(value) -> bool:
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and bool(torch.isfinite(value.float()).all())
     return isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
+
+
+def kept_or_untruncated(experience) -> torch.Tensor:
+    """The experience's (B, A) kept counts, or all NOT_TRUNCATED when the engine did not report them."""
+    kept = getattr(experience, "rollout_kept_counts", None)
+    if kept is None:
+        return torch.full_like(experience.action_mask, NOT_TRUNCATED, dtype=torch.long)
+    return kept
 
 
 def versions_or_untagged(experience) -> torch.Tensor:

@@ -8,6 +8,7 @@ found from its flag in one hop:
 - ESS-guided LR (``--algo.ess_lr_*``): ``trainer/ess_lr.py``
 - k2 KL loss (``--algo.kl.off_policy_k2_enable``): ``trainer/kl_k2.py``
 - sequence-level TIS (``--algo.tis_level seq``): ``models/loss.py``
+- truncated-support log-probs (``--algo.sampling_mask keep``): ``trainer/sampling_mask.py``
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from openrlhf.trainer.ray import ppo_actor as _upstream  # noqa: E402
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
-from openrlhf_ess.trainer import ess_lr, kl_k2  # noqa: E402
+from openrlhf_ess.trainer import ess_lr, kl_k2, sampling_mask  # noqa: E402
 from openrlhf_ess.trainer.prox_sources import ProxSources  # noqa: E402
 from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
 
@@ -40,6 +41,11 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         self.prox = ProxSources(self.args, self.actor.model, self.weight_version)
         self.weight_sync = WeightSync(self)
         self.weight_sync.audit(self.weight_version)
+        self.stop_ids = None  # --algo.sampling_mask keep: the engine's stop tokens (banned at min_tokens positions)
+        if config.sampling_mask_on(self.args):
+            sampling_mask.install(self.actor)
+            sampling_mask.adopt_replay_buffer(self.replay_buffer)
+            self.stop_ids = sampling_mask.stop_token_ids(self.args.actor.model_name_or_path)
         self.lr_scale_hook = None
         if algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
@@ -56,7 +62,24 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         """Overrides upstream's only with --algo.kl.off_policy_k2_enable (the KL term's gradient becomes the
-        k2 surrogate's, see kl_k2.py) or PPO-EWMA (the average is updated after each optimizer step)."""
+        k2 surrogate's, see kl_k2.py), PPO-EWMA (the average is updated after each optimizer step) or
+        --algo.sampling_mask keep (π_θ over each token's kept support; metric sampling_mask/log_kept_mass)."""
+        if self.stop_ids is None:
+            return self._training_step(experience, kl_ctl, step, loss_batch_info)
+        kept = getattr(experience, "rollout_kept_counts", None)
+        if kept is None:
+            raise RuntimeError(
+                "--algo.sampling_mask keep: a training batch has no kept counts (rollout_kept_counts), so pi_theta "
+                "cannot be computed over the support its tokens were sampled from; this is a bug, please report it."
+            )
+        with sampling_mask.applied(kept, experience.sequences, experience.attention_mask, self.stop_ids) as state:
+            status = self._training_step(experience, kl_ctl, step, loss_batch_info)
+        if state.tokens:
+            status["metrics"]["sampling_mask/log_kept_mass"] = torch.tensor(state.log_z_sum / state.tokens)
+            status["weights"]["sampling_mask/log_kept_mass"] = "token"
+        return status
+
+    def _training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         if not self.args.algo.kl.off_policy_k2_enable and self.prox.ewma is None:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
         if self.args.algo.kl.off_policy_k2_enable:
@@ -97,8 +120,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     def proximal_log_probs(self, current: torch.Tensor, versions: torch.Tensor, forward) -> torch.Tensor:
         return self.prox.log_probs(current, versions, forward, self.weight_version)
 
-    def score_streams(self, version: int, streams) -> list:
-        return self.prox.score_streams(version, streams)
+    def score_streams(self, version: int, streams, kept=None) -> list:
+        return self.prox.score_streams(version, streams, kept, self.stop_ids or ())
 
     def prox_metrics(self) -> dict:
         return self.prox.metrics()
@@ -172,9 +195,10 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
             client_states[CHECKPOINT_KEY] = ours
         return super().save_checkpoint(tag, client_states, metric_value, metric_key)
 
-    def score_streams(self, version: int, streams) -> list:
-        """interrupt mode: π_version of token streams (see ActorPPOTrainer.score_streams)."""
-        return self.trainer.score_streams(version, streams)
+    def score_streams(self, version: int, streams, kept=None) -> list:
+        """interrupt mode: π_version of token streams (see ActorPPOTrainer.score_streams); ``kept``: their
+        kept counts (--algo.sampling_mask keep)."""
+        return self.trainer.score_streams(version, streams, kept)
 
     def weights_blob(self):
         """dedicated mode: the weights for the old-log-prob model (rank 0; every rank must call)."""
@@ -188,18 +212,21 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
         packed_seq_lens=None,
         mm_train_inputs_list=None,
         rollout_versions=None,
+        rollout_kept_counts=None,
     ):
-        """Extends upstream's: with ``rollout_versions`` (snapshot/ewma modes) return π_prox per token."""
-        current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
-        if rollout_versions is None:
-            return current
+        """Extends upstream's: with ``rollout_versions`` (snapshot/ewma modes) return π_prox per token; with
+        ``rollout_kept_counts`` (--algo.sampling_mask keep) every forward scores over the kept support."""
+        with sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.trainer.stop_ids):
+            current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
+            if rollout_versions is None:
+                return current
 
-        def forward_again():
-            return super(PolicyModelActorImpl, self).forward(
-                sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
-            )
+            def forward_again():
+                return super(PolicyModelActorImpl, self).forward(
+                    sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
+                )
 
-        return self.trainer.proximal_log_probs(current, rollout_versions, forward_again)
+            return self.trainer.proximal_log_probs(current, rollout_versions, forward_again)
 
 
 PolicyModelActor = ray.remote(num_gpus=1)(PolicyModelActorImpl)

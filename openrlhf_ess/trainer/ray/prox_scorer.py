@@ -18,6 +18,7 @@ cpu_compat.apply()
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from openrlhf_ess import config  # noqa: E402
 from openrlhf_ess.trainer import prox  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # --ds.param_dtype
@@ -25,7 +26,7 @@ READY_TIMEOUT_S = 600  # model load included; a scorer that cannot be placed fai
 
 
 class ProxScorerImpl:
-    def __init__(self, pretrain: str, dtype: str, attn_implementation: str, temperature: float):
+    def __init__(self, pretrain: str, dtype: str, attn_implementation: str, temperature: float, mask: bool = False):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -35,18 +36,24 @@ class ProxScorerImpl:
         self.model.eval()
         self.temperature = temperature
         self.version = 0
+        self.stop_ids = ()
+        if mask:  # --algo.sampling_mask keep: the engine's stop tokens, banned where the kept count is < 0
+            from openrlhf_ess.trainer.sampling_mask import stop_token_ids
+
+            self.stop_ids = stop_token_ids(pretrain)
 
     def ready(self) -> int:
         return self.version
 
-    def score(self, version: int, streams: List[List[int]]) -> List[torch.Tensor]:
-        """log π_version(s_t | s_<t) per stream; refuses to score a version it does not hold."""
+    def score(self, version: int, streams: List[List[int]], kept=None) -> List[torch.Tensor]:
+        """log π_version(s_t | s_<t) per stream (over each token's kept support when ``kept`` is given, as
+        ``prox.stream_log_probs``); refuses to score a version it does not hold."""
         if version != self.version:
             raise RuntimeError(
                 f"dedicated old-log-prob model holds version {self.version}, asked to score version {version}: "
                 "a weight sync reached it out of order."
             )
-        return prox.stream_log_probs(self.model, streams, self.temperature)
+        return prox.stream_log_probs(self.model, streams, self.temperature, kept=kept, stop_ids=self.stop_ids)
 
     def load_weights(self, version: int, blob: bytes) -> float:
         """Take version ``version``'s weights (safetensors bytes of the actor's HF parameters)."""
@@ -67,7 +74,11 @@ ProxScorer = ray.remote(ProxScorerImpl)
 def create(args, pretrain: str):
     """Start the dedicated model on its own device slot and wait until it is loaded (or fail clearly)."""
     scorer = ProxScorer.options(num_gpus=args.algo.prox_dedicated_num_gpus, num_cpus=1).remote(
-        pretrain, args.ds.param_dtype, args.ds.attn_implementation, args.rollout.temperature
+        pretrain,
+        args.ds.param_dtype,
+        args.ds.attn_implementation,
+        args.rollout.temperature,
+        config.sampling_mask_on(args),
     )
     try:
         ray.get(scorer.ready.remote(), timeout=READY_TIMEOUT_S)

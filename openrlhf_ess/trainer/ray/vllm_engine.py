@@ -20,14 +20,15 @@ import ray  # noqa: E402
 from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamRolloutRayActor  # noqa: E402
 
 from openrlhf_ess import config, upstream  # noqa: E402
+from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED  # noqa: E402  (kept-count tag of unsampled tokens)
 
 WORKER_EXTENSION = "openrlhf_ess.trainer.ray.vllm_worker_wrap.WorkerWrap"
 NO_VERSION = -1  # version tag of tokens the engine did not sample (prompt, environment feedback)
 
 logger = logging.getLogger(__name__)
 
-# The per-token versions of every engine.generate() call made by one executor.execute() call.
-_GENERATE_CALLS: contextvars.ContextVar[Optional[List[List[int]]]] = contextvars.ContextVar(
+# Per engine.generate() call made by one executor.execute() call: (versions, kept counts) of its tokens.
+_GENERATE_CALLS: contextvars.ContextVar[Optional[List[Tuple[List[int], List[int]]]]] = contextvars.ContextVar(
     "openrlhf_ess_generate_calls", default=None
 )
 
@@ -35,12 +36,14 @@ _GENERATE_CALLS: contextvars.ContextVar[Optional[List[List[int]]]] = contextvars
 class _Progress:
     """Output tokens streamed so far for one request, and the weight version of each stretch of them."""
 
-    __slots__ = ("streamed", "starts", "versions", "prompt", "tokens")
+    __slots__ = ("streamed", "starts", "versions", "prompt", "tokens", "logprobs", "min_tokens")
 
-    def __init__(self, version: int):
+    def __init__(self, version: int, min_tokens: int = 0):
         self.streamed = 0
         self.starts, self.versions = [0], [version]
         self.prompt, self.tokens = (), ()  # prompt token ids, output token ids so far (outgoing scoring)
+        self.logprobs = None  # vLLM's per-token log-prob dicts so far (kept counts, --algo.sampling_mask)
+        self.min_tokens = min_tokens
 
     def switch(self, version: int) -> None:
         # Generation is paused during a weight sync, so every token streamed so far was sampled by
@@ -58,56 +61,99 @@ class _Progress:
             out.extend([version] * (min(end, n_tokens) - start))
         return out
 
+    def kept_counts(self, n_tokens: int) -> List[int]:
+        """--algo.sampling_mask: per output token, k_t = |S_t| from the rank the sampler patch wrote
+        (``vllm_worker_wrap.install_kept_count_rank``), negated where vLLM banned the stop tokens
+        (the first ``min_tokens`` tokens of a request: docs/sampling_mask.md)."""
+        return kept_counts(self.tokens, self.logprobs, n_tokens, self.min_tokens)
 
-def versions_for_observation(
-    n_tokens: int, action_ranges: Sequence[Tuple[int, int]], calls: Sequence[Sequence[int]]
+
+def kept_counts(tokens: Sequence[int], logprobs, n_tokens: int, min_tokens: int) -> List[int]:
+    """k_t per sampled token (see ``_Progress.kept_counts``); raises if the engine returned no log-probs."""
+    if n_tokens and not logprobs:
+        raise RuntimeError(
+            "--algo.sampling_mask keep: the engine returned no log-probs for a request, so the kept support of its "
+            "tokens is unknown. The rollout engines request them; an agent (--train.agent_func_path) must pass "
+            "the sampling params it is given (logprobs set) to llm_engine.generate."
+        )
+    return [
+        -lp[token].rank if i < min_tokens else lp[token].rank
+        for i, (token, lp) in enumerate(zip(tokens[:n_tokens], logprobs[:n_tokens]))
+    ]
+
+
+def align_to_observation(
+    n_tokens: int,
+    action_ranges: Sequence[Tuple[int, int]],
+    calls: Sequence[Sequence[int]],
+    fill: int = NO_VERSION,
+    what: str = "rollout versions",
 ) -> List[int]:
-    """Per observation token: the version that sampled it, or NO_VERSION for prompt/environment tokens.
+    """Per observation token: the value the i-th generate() call recorded for it, or ``fill`` for
+    prompt/environment tokens (versions: NO_VERSION; kept counts: NOT_TRUNCATED).
 
     The i-th action range of a response is the output of the executor's i-th generate() call (true for
     upstream's single- and multi-turn executors). A mismatch leaves the tokens untagged (never guessed).
     """
-    versions = [NO_VERSION] * n_tokens
+    values = [fill] * n_tokens
     if len(action_ranges) != len(calls):
         logger.warning(
-            "executor made %d generate() calls for %d action ranges; rollout versions left untagged",
+            "executor made %d generate() calls for %d action ranges; %s left untagged",
             len(calls),
             len(action_ranges),
+            what,
         )
-        return versions
+        return values
     for (start, end), call in zip(action_ranges, calls):
         if len(call) != end - start:
             logger.warning("action range of %d tokens but %d tokens generated; left untagged", end - start, len(call))
             continue
-        versions[start:end] = call
-    return versions
+        values[start:end] = call
+    return values
+
+
+def versions_for_observation(
+    n_tokens: int, action_ranges: Sequence[Tuple[int, int]], calls: Sequence[Sequence[int]]
+) -> List[int]:
+    """Per observation token: the version that sampled it, or NO_VERSION for prompt/environment tokens."""
+    return align_to_observation(n_tokens, action_ranges, calls)
 
 
 class _VersionTaggingExecutor:
-    """Wraps an agent executor: collects the versions of its generate() calls into the response."""
+    """Wraps an agent executor: collects the versions (and, with --algo.sampling_mask, the kept counts) of its
+    generate() calls into the response."""
 
-    def __init__(self, inner):
-        self._inner = inner
+    def __init__(self, inner, kept_counts: bool = False):
+        self._inner, self._kept_counts = inner, kept_counts
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
     async def execute(self, *args, **kwargs):
-        calls: List[List[int]] = []
+        calls: List[Tuple[List[int], List[int]]] = []
         token = _GENERATE_CALLS.set(calls)
         try:
             response = await self._inner.execute(*args, **kwargs)
         finally:
             _GENERATE_CALLS.reset(token)
-        response["rollout_versions"] = versions_for_observation(
-            len(response["observation_tokens"]), response["action_ranges"], calls
-        )
+        n, ranges = len(response["observation_tokens"]), response["action_ranges"]
+        response["rollout_versions"] = versions_for_observation(n, ranges, [c[0] for c in calls])
+        if self._kept_counts:
+            response["rollout_kept_counts"] = align_to_observation(
+                n, ranges, [c[1] for c in calls], NOT_TRUNCATED, "kept counts"
+            )
         return response
 
 
 class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
     async def __init__(
-        self, *args, force_logprobs: bool = False, track_versions: bool = False, report_outgoing=False, **kwargs
+        self,
+        *args,
+        force_logprobs: bool = False,
+        track_versions: bool = False,
+        report_outgoing=False,
+        report_kept_counts=False,
+        **kwargs,
     ):
         """Extends upstream's init.
 
@@ -116,9 +162,14 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         (``response["rollout_versions"]``), across weight syncs inside one response.
         ``report_outgoing``: keep the token streams of the current version for ``outgoing_streams``
         (interrupt and dedicated π_prox modes).
+        ``report_kept_counts`` (--algo.sampling_mask keep): every sampled token's kept-support size k_t
+        (``response["rollout_kept_counts"]``, and ``"kept"`` in ``outgoing_streams``); needs the two above's
+        tracking, so it implies ``track_versions``.
         """
         self.force_logprobs = force_logprobs
         self.report_outgoing = report_outgoing
+        self.report_kept_counts = report_kept_counts
+        track_versions = track_versions or report_kept_counts
         self.weight_version = 0
         self._inflight: Dict[str, _Progress] = {}
         self._finished: List[_Progress] = []  # requests finished since the last outgoing_streams()
@@ -126,21 +177,37 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         # The sync check's canary (prompt_log_probs) is no rollout: it must not be tagged, nor reported to the
         # interrupt/dedicated π_prox modes as a stream to score at the next sync.
         self._untracked_generate = self.llm.generate
+        if report_kept_counts:
+            installed = await self.llm.collective_rpc("install_kept_count_rank")
+            logger.info("sampling mask: kept-count rank patch installed in %d worker(s)", sum(map(bool, installed)))
         if track_versions:
-            self.executor = _VersionTaggingExecutor(self.executor)
+            self.executor = _VersionTaggingExecutor(self.executor, kept_counts=report_kept_counts)
             self.llm.generate = self._tracking_stream(self.llm.generate)
 
     def _tracking_stream(self, generate):
         """Wrap AsyncLLM.generate: count streamed tokens per request and record their versions."""
 
+        keep_tokens = self.report_outgoing or self.report_kept_counts
+
         async def tracked(prompt, sampling_params, request_id, *args, **kwargs):
-            progress = _Progress(self.weight_version)
+            min_tokens = getattr(sampling_params, "min_tokens", 0) or 0
+            if self.report_kept_counts and min_tokens and getattr(sampling_params, "stop_token_ids", None):
+                # vLLM bans these with EOS in the first min_tokens positions; the trainer knows only the model's
+                # EOS ids (trainer/sampling_mask.stop_token_ids), so the kept support would be misdescribed
+                raise ValueError(
+                    f"--algo.sampling_mask keep: a request sets stop_token_ids {sampling_params.stop_token_ids} "
+                    f"with min_tokens {min_tokens}; vLLM bans those tokens too in the first min_tokens positions, "
+                    "which the kept count does not describe. Drop stop_token_ids or min_tokens from the agent's "
+                    "sampling params, or run without --algo.sampling_mask."
+                )
+            progress = _Progress(self.weight_version, min_tokens)
             self._inflight[request_id] = progress
             try:
                 async for output in generate(prompt, sampling_params, *args, request_id=request_id, **kwargs):
                     progress.streamed = len(output.outputs[0].token_ids)
-                    if self.report_outgoing:
+                    if keep_tokens:
                         progress.prompt, progress.tokens = output.prompt_token_ids, output.outputs[0].token_ids
+                        progress.logprobs = output.outputs[0].logprobs
                     yield output
             finally:
                 self._inflight.pop(request_id, None)
@@ -148,7 +215,9 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
                     self._finished.append(progress)
             calls = _GENERATE_CALLS.get()
             if calls is not None:
-                calls.append(progress.token_versions(progress.streamed))
+                n = progress.streamed
+                kept = progress.kept_counts(n) if self.report_kept_counts else []
+                calls.append((progress.token_versions(n), kept))
 
         return tracked
 
@@ -185,7 +254,8 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         Called by the trainer at a weight sync while generation is paused (partial rollouts) or idle:
         in-flight requests (their output so far) and requests finished since the last call. Each is
         ``{"stream": prompt + output token ids, "versions": per stream token (prompt: NO_VERSION),
-        "finished": bool}``. Finished requests are reported once.
+        "finished": bool}`` (and ``"kept"``, k_t per stream token, prompt 0, with ``report_kept_counts``).
+        Finished requests are reported once.
         """
         out = []
         for progress, finished in [(p, False) for p in self._inflight.values()] + [(p, True) for p in self._finished]:
@@ -194,13 +264,14 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             if self.weight_version not in versions:
                 continue
             prompt = list(progress.prompt)
-            out.append(
-                {
-                    "stream": prompt + list(progress.tokens[:n]),
-                    "versions": [NO_VERSION] * len(prompt) + versions,
-                    "finished": finished,
-                }
-            )
+            report = {
+                "stream": prompt + list(progress.tokens[:n]),
+                "versions": [NO_VERSION] * len(prompt) + versions,
+                "finished": finished,
+            }
+            if self.report_kept_counts:
+                report["kept"] = [NOT_TRUNCATED] * len(prompt) + progress.kept_counts(n)
+            out.append(report)
         self._finished = []
         return out
 
@@ -215,9 +286,14 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         """Wraps upstream's: with ``force_logprobs``, ask vLLM for the sampled token's log-prob (μ).
 
         Upstream requests it only for its own IS correction; our features need it too. The executors
-        build ``rollout_log_probs`` whenever ``sampling_params.logprobs`` is set.
+        build ``rollout_log_probs`` whenever ``sampling_params.logprobs`` is set. With ``report_kept_counts``
+        the request is ``logprobs=0`` (the sampled token only): with top-N requested, vLLM merges a sampled
+        token that is also in the top N into that entry, whose rank is its top-N position, not our k_t.
         """
-        if self.force_logprobs and sampling_params.logprobs is None:
+        if self.report_kept_counts and sampling_params.logprobs != 0:
+            sampling_params = copy.deepcopy(sampling_params)
+            sampling_params.logprobs = 0
+        elif self.force_logprobs and sampling_params.logprobs is None:
             sampling_params = copy.deepcopy(sampling_params)
             sampling_params.logprobs = 1
         return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
@@ -275,6 +351,8 @@ def engine_kwargs(args) -> Dict[str, Any]:
         extra["track_versions"] = True
     if args.algo.prox_mode in config.SCORE_AT_SYNC_MODES:
         extra["report_outgoing"] = True
+    if config.sampling_mask_on(args):
+        extra["report_kept_counts"] = True
     if args.vllm.dtype != "bfloat16":
         extra["dtype"] = args.vllm.dtype
     if not cpu_compat.cuda_available():

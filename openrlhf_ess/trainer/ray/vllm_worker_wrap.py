@@ -9,7 +9,9 @@ pass, which re-runs the post-load processing (repacking) correctly on every back
 """
 
 import os
+import threading
 
+import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap as _UpstreamWorkerWrap
 
 # Fault injection for tests: load noise instead of the received weights, like the measured failure of a
@@ -19,7 +21,52 @@ FAULT_ENV = "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD"
 PERTURB_ENV = "OPENRLHF_ESS_FAULT_PERTURB_WEIGHT_LOAD"
 
 
+_KEPT_RANK = threading.local()  # set while vLLM's Sampler.forward runs in this worker process
+
+
+def install_kept_count_rank() -> bool:
+    """--algo.sampling_mask keep: the sampled token's ``rank`` carries k_t = |S_t|, the size of the kept support.
+
+    vLLM (``v1/sample/sampler.py``) returns the sampled token's rank next to its log-prob. With
+    ``logprobs_mode="processed_logprobs"`` the row it ranks in is log_softmax of the temperature-scaled logits
+    after top-k/top-p (and min-tokens) set every dropped token to -inf, so #finite of that row is |S_t|. The
+    patch replaces the rank with that count, inside ``Sampler.forward`` only (prompt log-probs, which use the
+    same ``gather_logprobs``, keep their rank): zero extra bytes per token, one ``isfinite().sum()`` over the
+    [batch, V] row per step, on the device the row is on. Idempotent; returns True when it installed.
+    docs/sampling_mask.md.
+    """
+    from vllm.v1.outputs import LogprobsTensors
+    from vllm.v1.sample.sampler import Sampler
+
+    if getattr(Sampler, "_openrlhf_ess_kept_rank", False):
+        return False
+    forward, gather = Sampler.forward, Sampler.gather_logprobs
+
+    def forward_reporting_kept(self, *args, **kwargs):
+        _KEPT_RANK.on = True
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _KEPT_RANK.on = False
+
+    def gather_logprobs(logprobs, num_logprobs, token_ids):
+        out = gather(logprobs, num_logprobs, token_ids)
+        if not getattr(_KEPT_RANK, "on", False):
+            return out
+        kept = torch.isfinite(logprobs).sum(dim=-1).to(out.selected_token_ranks.dtype)
+        return LogprobsTensors(out.logprob_token_ids, out.logprobs, kept)
+
+    Sampler.forward = forward_reporting_kept
+    Sampler.gather_logprobs = staticmethod(gather_logprobs)
+    Sampler._openrlhf_ess_kept_rank = True
+    return True
+
+
 class WorkerWrap(_UpstreamWorkerWrap):
+    def install_kept_count_rank(self) -> bool:
+        """See :func:`install_kept_count_rank` (called on every worker through ``collective_rpc``)."""
+        return install_kept_count_rank()
+
     def load_weights_from_safetensors(self, blob: bytes) -> int:
         """Load every tensor in ``blob`` (safetensors bytes, HF names) into the model; return the count."""
         from safetensors.torch import load

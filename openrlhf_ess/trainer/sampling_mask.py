@@ -1,0 +1,191 @@
+"""``--algo.sampling_mask keep``: the trainer's log-probs over the support the engine sampled from.
+
+The maths is in ``models/sampling_mask.py`` (docs/sampling_mask.md); this module is the trainer's seam:
+
+- **Where**: upstream's ``Actor.forward`` computes every token log-prob with ``log_probs_from_logits`` on the
+  temperature-scaled fp32 logits. :func:`install` gives one ``Actor`` *instance* (the policy's, the reference
+  model's) a copy of that forward whose ``log_probs_from_logits`` is :func:`log_probs_from_logits` here
+  (``upstream.actor_forward_with_log_probs``; upstream's class is not touched). Outside an :func:`applied`
+  block it is upstream's function, unchanged.
+- **What**: inside ``applied(kept, sequences, attention_mask)`` the positions that predict a sampled token
+  get log π̃ = log-prob renormalised over the engine's kept support (its top-|k_t| tokens of the trainer's
+  logits, stop tokens removed where k_t < 0), so π_θ (training step), π_prox (every forward-based prox mode)
+  and π_ref (the reference model's forward) are all computed on that support. Streams scored at a weight sync
+  (interrupt, dedicated) go through ``prox.stream_log_probs`` with the counts instead.
+- **Carrying**: the engine's counts ride as ``rollout_kept_counts`` (B, A) next to ``rollout_versions``
+  (samples generator → experience maker → actors). Upstream's replay buffer rebuilds each Experience from its
+  dataclass fields, so :class:`KeptCountsReplayBuffer` carries the attribute through its split and collate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import types
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+from openrlhf_ess import cpu_compat
+
+cpu_compat.apply()
+
+import torch  # noqa: E402
+from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
+from openrlhf.utils.utils import zero_pad_sequences  # noqa: E402
+
+from openrlhf_ess import upstream  # noqa: E402
+from openrlhf_ess.models import sampling_mask as maths  # noqa: E402
+from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED  # noqa: E402
+
+
+@dataclass
+class _Active:
+    kept_by_token: torch.Tensor  # (B, S): the kept count of the distribution that sampled token j, at column j
+    sequences: torch.Tensor  # (B, S), to check that the labels' layout is the one we rebuild
+    attention_mask: Optional[torch.Tensor]
+    stop_ids: Sequence[int]
+    log_z_sum: float = 0.0
+    tokens: int = 0
+
+
+_ACTIVE: contextvars.ContextVar[Optional[_Active]] = contextvars.ContextVar("openrlhf_ess_sampling_mask", default=None)
+
+
+def stop_token_ids(model_dir: str) -> List[int]:
+    """The tokens vLLM bans while a request is shorter than ``min_tokens``: the tokenizer's EOS and the
+    generation config's ``eos_token_id`` (one id or a list), as vLLM's ``SamplingParams.update_from_generation_config``
+    collects them into ``all_stop_token_ids`` (upstream sets no other stop tokens)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    ids = set()
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    if eos is not None:
+        ids.add(int(eos))
+    try:
+        generation = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json: vLLM falls back to the model config's fields
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_dir))
+    extra = generation.eos_token_id
+    if extra is not None:
+        ids.update([int(extra)] if isinstance(extra, int) else map(int, extra))
+    return sorted(ids)
+
+
+def kept_by_token(kept_actions: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(B, S) counts from the (B, A) per-action-column counts: action column j is token S - A + j (upstream's
+    ``Actor.forward`` returns ``log_probs[:, :-1][:, -A:]``, whose column j predicts that token)."""
+    out = torch.full((kept_actions.shape[0], seq_len), NOT_TRUNCATED, dtype=torch.long)
+    width = kept_actions.shape[1]
+    out[:, seq_len - width :] = kept_actions.to("cpu", torch.long)
+    return out
+
+
+def to_label_layout(per_token: torch.Tensor, labels: torch.Tensor, attention_mask: Optional[torch.Tensor]):
+    """``per_token`` (B, S) in the layout of the labels upstream's forward scores: rolled by one (position j
+    predicts token j + 1), and with ``--ds.packing_samples`` unpadded to (1, Σ lengths) in flash-attn's
+    ``unpad_input`` order (the attention mask's nonzero positions, row-major). Ring attention is rejected
+    by the config."""
+    rolled = torch.roll(per_token, shifts=-1, dims=1)
+    if tuple(labels.shape) == tuple(per_token.shape):
+        return rolled
+    if attention_mask is None or labels.shape[0] != 1:
+        raise RuntimeError(f"sampling mask: labels {tuple(labels.shape)} for a batch of {tuple(per_token.shape)}")
+    keep = attention_mask.reshape(-1).to(rolled.device).nonzero().squeeze(-1)
+    return rolled.reshape(-1)[keep].unsqueeze(0)
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Upstream's ``log_probs_from_logits``; inside :func:`applied`, with the truncated rows renormalised."""
+    log_probs = upstream.upstream_log_probs_from_logits()(logits, labels, temperature)
+    active = _ACTIVE.get()
+    if active is None:
+        return log_probs
+    # the labels are the sequences in the layout we rebuild for the counts: check it, do not assume it
+    expected = to_label_layout(active.sequences, labels, active.attention_mask).to(labels.device)
+    if not torch.equal(expected, labels):
+        raise RuntimeError(
+            "sampling mask: the actor's label layout is not the one the kept counts were placed in (upstream's "
+            "Actor.forward changed?); refusing to mask the wrong tokens."
+        )
+    kept = to_label_layout(active.kept_by_token, labels, active.attention_mask).to(labels.device)
+    out, log_z, _ = maths.apply_to_log_probs(logits, labels, log_probs, kept, active.stop_ids)
+    active.log_z_sum += float(log_z.sum())
+    active.tokens += log_z.numel()
+    return out
+
+
+@contextlib.contextmanager
+def applied(
+    kept_actions: Optional[torch.Tensor],
+    sequences: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    stop_ids: Sequence[int],
+):
+    """Forwards of an installed Actor inside this block score the sampled tokens over their kept support.
+
+    ``kept_actions`` (B, A) as carried with the experience (None: nothing to mask, upstream's forward). Yields
+    the state, whose ``log_z_sum`` / ``tokens`` give the mean log Z_t of the block's forwards.
+    """
+    if kept_actions is None:
+        yield None
+        return
+    state = _Active(kept_by_token(kept_actions, sequences.shape[1]), sequences.cpu(), attention_mask, stop_ids)
+    if state.attention_mask is not None:
+        state.attention_mask = state.attention_mask.cpu()
+    token = _ACTIVE.set(state)
+    try:
+        yield state
+    finally:
+        _ACTIVE.reset(token)
+
+
+def install(actor) -> None:
+    """Give this ``openrlhf.models.Actor`` instance the forward with our log-prob seam (idempotent)."""
+    if getattr(actor, "_openrlhf_ess_sampling_mask", False):
+        return
+    actor.forward = types.MethodType(upstream.actor_forward_with_log_probs(log_probs_from_logits), actor)
+    actor._openrlhf_ess_sampling_mask = True
+
+
+def adopt_replay_buffer(buffer):
+    """Make upstream's replay buffer (this instance) keep ``rollout_kept_counts``: (A,) per item, (B, A) per batch.
+
+    Upstream's ``split_experience_batch`` / ``make_experience_batch`` rebuild Experiences from the dataclass
+    fields only, so the attribute is re-attached after each: on ``append``, row i goes to the i-th new item
+    (cut to its action mask, as upstream cuts the step fields); on ``collate_fn`` the rows are right-padded
+    with NOT_TRUNCATED like the action mask. (Upstream's ``sample()`` is not used by its trainers, which read
+    the buffer through a DataLoader with ``collate_fn``; its batches would lack the counts, which the training
+    step refuses.) Instance attributes: upstream's class is not touched.
+    """
+    append, collate = buffer.append, buffer.collate_fn
+
+    def append_keeping(experience: Experience) -> None:
+        kept = getattr(experience, "rollout_kept_counts", None)
+        append(experience)
+        if kept is None:
+            return
+        new = buffer.items[len(buffer.items) - min(len(kept), len(buffer.items)) :]
+        for item, row in zip(new, kept[len(kept) - len(new) :]):
+            item.rollout_kept_counts = row[: item.action_mask.shape[-1]].clone()
+
+    def collate_keeping(batch) -> Experience:
+        experience = collate(batch)
+        items = batch[0] if buffer.dynamic_batch else batch
+        experience.rollout_kept_counts = batched_kept(items, experience.action_mask.shape[-1])
+        return experience
+
+    buffer.append, buffer.collate_fn = append_keeping, collate_keeping
+    return buffer
+
+
+def batched_kept(items, width: int) -> Optional[torch.Tensor]:
+    """(B, width) kept counts of replay-buffer items, right-padded with NOT_TRUNCATED (None if none has them)."""
+    rows = [getattr(item, "rollout_kept_counts", None) for item in items]
+    if any(r is None for r in rows):
+        if all(r is None for r in rows):
+            return None
+        raise RuntimeError("sampling mask: a replay-buffer batch mixes samples with and without kept counts")
+    padded = zero_pad_sequences(rows, side="right", value=NOT_TRUNCATED, stack=True)
+    if padded.shape[-1] < width:
+        padded = torch.nn.functional.pad(padded, (0, width - padded.shape[-1]), value=NOT_TRUNCATED)
+    return padded[:, :width]
