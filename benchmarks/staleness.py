@@ -47,7 +47,11 @@ CORRECTIONS: Dict[str, List[str]] = {
 }
 # Not in the default grid (choose with --corrections): ESS-LR over recompute's π_prox = π_V, whose weights
 # π_V/μ carry the staleness (with an exact π_prox they carry only the engine mismatch).
-EXTRA_CORRECTIONS: Dict[str, List[str]] = {"TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"]}
+# And PPO-EWMA with β set each step from the observed lag (β = L/(1+L), `--algo.prox_ewma_decay auto`).
+EXTRA_CORRECTIONS: Dict[str, List[str]] = {
+    "TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"],
+    "TIS + EWMA auto": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "auto"],
+}
 ALL_CORRECTIONS = {**CORRECTIONS, **EXTRA_CORRECTIONS}
 STALENESS: Dict[str, List[str]] = {
     "sync": [],
