@@ -123,6 +123,10 @@ def final_reward(curve, window: int) -> float:
     return statistics.mean(values[-window:]) if values else float("nan")
 
 
+def reached(curve, threshold: float = 0.9) -> bool:
+    return any(v >= threshold for _, v in curve)
+
+
 def write_table(results: dict, path: str, command: str, window: int) -> None:
     lines = [
         "# Staleness experiment: raw results",
@@ -132,10 +136,13 @@ def write_table(results: dict, path: str, command: str, window: int) -> None:
         "Lag = mean version lag of the sampled tokens over the run (`version_lag/mean`); runs without any of our",
         "flags use upstream's controllers, which do not tag versions ('not logged').",
         "",
-        "Wall = seconds from launch to the end of the run (start-up included), mean over seeds.",
+        "AUC [min, max] over seeds. Steps to 0.9 = first step whose reward is ≥ 0.9 (mean [min, max]; runs that",
+        "never reach it are left out and counted after the slash). Wall = seconds from launch to the end of the",
+        "run (start-up included), mean over seeds.",
         "",
-        "| staleness | correction | final reward | [min, max] | AUC | mean lag | wall (s) | seeds |",
-        "|---|---|---|---|---|---|---|---|",
+        "| staleness | correction | final reward | [min, max] | AUC | AUC [min, max] | steps to 0.9 | mean lag "
+        "| wall (s) | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, runs in results.items():
         level, name = key.split(" | ")
@@ -148,9 +155,14 @@ def write_table(results: dict, path: str, command: str, window: int) -> None:
         lag = f"{statistics.mean(lags):.2f}" if lags else ("0" if level == "sync" else "not logged")
         walls = [r["wall/total_s"] for r in runs if "wall/total_s" in r]
         wall = f"{statistics.mean(walls):.0f}" if walls else "–"
+        reach = [next(s for s, v in r["train/reward"] if v >= 0.9) for r in runs if reached(r["train/reward"])]
+        steps09 = f"{statistics.mean(reach):.1f} [{min(reach)}, {max(reach)}]" if reach else "never"
+        if reach and len(reach) < len(runs):
+            steps09 += f" / {len(runs) - len(reach)} never"
         lines.append(
             f"| {level} | {name} | {statistics.mean(finals):.3f} ± {sd:.3f} | [{min(finals):.3f}, {max(finals):.3f}] "
-            f"| {statistics.mean(aucs):.3f} | {lag} | {wall} | {len(runs)} |"
+            f"| {statistics.mean(aucs):.3f} | [{min(aucs):.3f}, {max(aucs):.3f}] | {steps09} | {lag} | {wall} "
+            f"| {len(runs)} |"
         )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
