@@ -47,16 +47,25 @@ CORRECTIONS: Dict[str, List[str]] = {
 }
 # Not in the default grid (choose with --corrections): ESS-LR over recompute's π_prox = π_V, whose weights
 # π_V/μ carry the staleness (with an exact π_prox they carry only the engine mismatch).
-EXTRA_CORRECTIONS: Dict[str, List[str]] = {"TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"]}
+# And PPO-EWMA with β set each step from the observed lag (β = L/(1+L), `--algo.prox_ewma_decay auto`).
+EXTRA_CORRECTIONS: Dict[str, List[str]] = {
+    "TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"],
+    "TIS + EWMA auto": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "auto"],
+}
 ALL_CORRECTIONS = {**CORRECTIONS, **EXTRA_CORRECTIONS}
 STALENESS: Dict[str, List[str]] = {
     "sync": [],
     "async q1 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "1"],
     "async q4 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "4"],
+    # Not in the default grid: a deeper queue, for the search of a regime where staleness hurts (staleness.md)
+    "async q8 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "8"],
 }
+DEFAULT_STALENESS = ["sync", "async q1 + partial", "async q4 + partial"]
 # In synchronous training every token is lag 0: the exact and EWMA proximal policies equal recompute's.
 SYNC_CORRECTIONS = ("none", "TIS", "bypass")
 CURVES = ("train/reward", "train/version_lag/mean", "train/rho_ess", "train/lr_scale", "train/tis/clip_frac")
+# Reward against wall-clock: seconds since the CLI was launched (start-up included) when each step was logged.
+WALL = "wall/reward"
 
 
 def grid(staleness: List[str], corrections: List[str]):
@@ -82,17 +91,40 @@ def run_flags(a, world: dict, run_dir: str, seed: int) -> List[str]:
 def run_once(a, world: dict, flags: List[str], run_dir: str, seed: int) -> Dict[str, List]:
     cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray", *run_flags(a, world, run_dir, seed), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "offline"}
+    t0 = time.time()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800).returncode
     if rc != 0:
         raise RuntimeError(f"run failed ({rc}): see {run_dir}/log.txt")
     scalars = read_scalars(os.path.join(run_dir, "tb"))
-    return {tag: scalars.get(tag, []) for tag in CURVES}
+    curves = {tag: scalars.get(tag, []) for tag in CURVES}
+    curves[WALL] = reward_vs_wall(os.path.join(run_dir, "tb"), t0)
+    curves["wall/total_s"] = time.time() - t0
+    return curves
+
+
+def reward_vs_wall(tb_dir: str, t0: float) -> List[List[float]]:
+    """[(seconds since launch, reward), ...] in step order, from the event files' wall times."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = []
+    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        if "train/reward" in acc.Tags()["scalars"]:
+            events.extend((e.step, e.wall_time - t0, e.value) for e in acc.Scalars("train/reward"))
+    return [[wall, value] for _, wall, value in sorted(events)]
 
 
 def final_reward(curve, window: int) -> float:
     values = [v for _, v in curve]
     return statistics.mean(values[-window:]) if values else float("nan")
+
+
+def reached(curve, threshold: float = 0.9) -> bool:
+    return any(v >= threshold for _, v in curve)
 
 
 def write_table(results: dict, path: str, command: str, window: int) -> None:
@@ -104,8 +136,13 @@ def write_table(results: dict, path: str, command: str, window: int) -> None:
         "Lag = mean version lag of the sampled tokens over the run (`version_lag/mean`); runs without any of our",
         "flags use upstream's controllers, which do not tag versions ('not logged').",
         "",
-        "| staleness | correction | final reward | [min, max] | AUC | mean lag | seeds |",
-        "|---|---|---|---|---|---|---|",
+        "AUC [min, max] over seeds. Steps to 0.9 = first step whose reward is ≥ 0.9 (mean [min, max]; runs that",
+        "never reach it are left out and counted after the slash). Wall = seconds from launch to the end of the",
+        "run (start-up included), mean over seeds.",
+        "",
+        "| staleness | correction | final reward | [min, max] | AUC | AUC [min, max] | steps to 0.9 | mean lag "
+        "| wall (s) | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, runs in results.items():
         level, name = key.split(" | ")
@@ -116,9 +153,16 @@ def write_table(results: dict, path: str, command: str, window: int) -> None:
         ]
         sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
         lag = f"{statistics.mean(lags):.2f}" if lags else ("0" if level == "sync" else "not logged")
+        walls = [r["wall/total_s"] for r in runs if "wall/total_s" in r]
+        wall = f"{statistics.mean(walls):.0f}" if walls else "–"
+        reach = [next(s for s, v in r["train/reward"] if v >= 0.9) for r in runs if reached(r["train/reward"])]
+        steps09 = f"{statistics.mean(reach):.1f} [{min(reach)}, {max(reach)}]" if reach else "never"
+        if reach and len(reach) < len(runs):
+            steps09 += f" / {len(runs) - len(reach)} never"
         lines.append(
             f"| {level} | {name} | {statistics.mean(finals):.3f} ± {sd:.3f} | [{min(finals):.3f}, {max(finals):.3f}] "
-            f"| {statistics.mean(aucs):.3f} | {lag} | {len(runs)} |"
+            f"| {statistics.mean(aucs):.3f} | [{min(aucs):.3f}, {max(aucs):.3f}] | {steps09} | {lag} | {wall} "
+            f"| {len(runs)} |"
         )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -164,6 +208,29 @@ def plot(results: dict, out: str, levels: List[str]) -> List[str]:
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
+    if any(run.get(WALL) for runs in results.values() for run in runs):
+        fig, axes = plt.subplots(1, len(levels), figsize=(5.2 * len(levels), 4.2), sharey=True, squeeze=False)
+        for ax, level in zip(axes[0], levels):
+            for key, runs in results.items():
+                if not key.startswith(level + " | ") or not all(run.get(WALL) for run in runs):
+                    continue
+                n = min(len(run[WALL]) for run in runs)  # per step index: mean wall time, mean and band of reward
+                wall = [statistics.mean(run[WALL][i][0] for run in runs) for i in range(n)]
+                rewards = [[run[WALL][i][1] for run in runs] for i in range(n)]
+                (line,) = ax.plot(wall, [statistics.mean(r) for r in rewards], label=key.split(" | ")[1])
+                ax.fill_between(
+                    wall, [min(r) for r in rewards], [max(r) for r in rewards], color=line.get_color(), alpha=0.15
+                )
+            ax.set_title(level)
+            ax.set_xlabel("seconds since launch (start-up included)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0][0].set_ylabel("reward (mean over seeds, min–max band)")
+        fig.tight_layout()
+        paths.append(os.path.join(out, "reward_wall.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
     ess = {k: r for k, r in results.items() if any(run["train/rho_ess"] for run in r)}
     if ess:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), squeeze=False)
@@ -190,7 +257,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per configuration")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per episode (8 per step)")
     parser.add_argument("--episodes", type=int, default=6, help="passes over the prompts (8 steps each by default)")
-    parser.add_argument("--staleness", nargs="*", default=list(STALENESS), help=f"subset of {list(STALENESS)}")
+    parser.add_argument("--staleness", nargs="*", default=DEFAULT_STALENESS, help=f"subset of {list(STALENESS)}")
     parser.add_argument(
         "--corrections", nargs="*", default=list(CORRECTIONS), help=f"subset of {list(ALL_CORRECTIONS)}"
     )

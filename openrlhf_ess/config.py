@@ -274,10 +274,26 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--algo.prox_ewma_decay",
-        type=float,
+        type=ewma_decay_arg,
         default=0.9,
-        help="ewma mode: decay beta of the weight EWMA, in (0, 1), updated after every optimizer step.",
+        help="ewma mode: decay beta of the weight EWMA, in (0, 1), updated after every optimizer step. auto: "
+        "each step's beta = age/(1+age), so the EWMA's mean age beta/(1-beta) equals the mean version lag of the "
+        "tokens scored since the previous step, in optimizer steps (Hilton et al. 2021 tie beta to the proximal "
+        "policy's age); logged as prox/ewma_decay. Costs nothing beyond ewma mode.",
     )
+
+
+EWMA_DECAY_AUTO = "auto"
+
+
+def ewma_decay_arg(text: str):
+    """``--algo.prox_ewma_decay``: a number, or ``auto`` (argparse names the flag in its error)."""
+    if text == EWMA_DECAY_AUTO:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a decay in (0, 1) or '{EWMA_DECAY_AUTO}', got {text!r}") from None
 
 
 SAMPLING_MASK_MODES = ("off", "keep")
@@ -301,7 +317,7 @@ def add_sampling_mask_arguments(parser: argparse.ArgumentParser) -> None:
         "top-k_t tokens of its own logits, renormalised. TIS, ESS-LR, the mismatch metrics and the PPO ratio "
         "then compare distributions on the same support, and the gradient is the truncated policy's. Also "
         "removes the first response token's EOS ban (upstream's min_tokens=1) from the mismatch. Metric: "
-        "sampling_mask/log_kept_mass (mean log Z_t of pi_theta). Cost: a sort of the [V] logits at each "
+        "sampling_mask/log_kept_mass (mean log Z_t of pi_theta). Cost: a top-k of the [V] logits at each "
         "response token in the actor's forwards.",
     )
     group.add_argument(
@@ -593,8 +609,8 @@ def _validate_prox(args: types.SimpleNamespace, notices: List[str]) -> None:
                 f"{' and partial rollouts' if args.train.partial_rollout_enable else ''}: tokens would lose their "
                 f"weights. Set --algo.prox_snapshots {needed} (or bound --algo.max_version_lag)."
             )
-    if mode == "ewma" and not 0 < algo.prox_ewma_decay < 1:
-        raise ConfigError(f"--algo.prox_ewma_decay must be in (0, 1), got {algo.prox_ewma_decay}.")
+    if mode == "ewma" and algo.prox_ewma_decay != EWMA_DECAY_AUTO and not 0 < algo.prox_ewma_decay < 1:
+        raise ConfigError(f"--algo.prox_ewma_decay must be in (0, 1) or auto, got {algo.prox_ewma_decay}.")
 
 
 def _validate_score_at_sync(args: types.SimpleNamespace) -> None:

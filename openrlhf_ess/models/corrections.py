@@ -163,6 +163,25 @@ def loglinear_prox_log_probs(
     return rollout_log_probs + alpha * (current_log_probs - rollout_log_probs)
 
 
+# ---- PPO-EWMA decay from the observed staleness (DESIGN.md §4, "ewma"; --algo.prox_ewma_decay auto) ---------
+
+
+def ewma_decay_for_age(age: float) -> float:
+    r"""PPO-EWMA decay β whose weight average has mean age ``age`` optimizer steps: β = age / (1 + age).
+
+    The EWMA θ̄_n = β θ̄_{n−1} + (1 − β) θ_n gives the weights of k steps ago the share (1 − β) βᵏ, so its mean
+    age is Σ_k k (1 − β) βᵏ = β / (1 − β) steps; solving β / (1 − β) = age gives β = age / (1 + age)
+    (age 0 → β = 0, the live weights; age 1 → 0.5; age 9 → 0.9, the fixed default). Hilton et al., "Batch
+    size-invariance for policy optimization" (arXiv 2110.00641) set β_prox from the age the proximal policy
+    should have (what matters is how old it is); here that age is the observed one, the batch's version lag in
+    optimizer steps, so π_prox is on average as old as the policy that sampled the batch.
+    """
+    age = float(age)
+    if not age >= 0 or math.isinf(age):
+        raise ValueError(f"EWMA age (version lag in optimizer steps) must be finite and >= 0, got {age}")
+    return age / (1.0 + age)
+
+
 # ---- KL-to-reference loss: k1/k2/k3 value, importance-weighted k2 gradient (DESIGN.md §2, k2 option) -------
 
 KL_VALUE_ESTIMATORS = ("k1", "k2", "k3")

@@ -121,35 +121,47 @@ class EwmaWeights:
     r"""PPO-EWMA proximal weights (Hilton et al., "Batch size-invariance for policy optimization",
     arXiv 2110.00641): θ̄_n = β θ̄_{n−1} + (1−β) θ_n after each optimizer step, θ̄_0 = 0, and the
     bias-corrected θ̂_n = θ̄_n / (1 − βⁿ) is the proximal policy. Kept on the host in fp32.
+
+    ``decay="auto"`` (``--algo.prox_ewma_decay auto``): each update passes its own β_n, and the bias correction
+    is 1 − Π_k β_k (the same identity: θ̄_n holds 1 − Π_k β_k of total weight). A fixed decay keeps the
+    original βⁿ arithmetic.
     """
 
-    def __init__(self, decay: float):
+    def __init__(self, decay):
         self.decay = decay
         self.n = 0
+        self.kept = 1.0  # Π_k β_k over the updates so far: the weight θ̄_0 = 0 still holds
         self._avg: Optional[State] = None
 
-    def update(self, module: torch.nn.Module) -> None:
+    def update(self, module: torch.nn.Module, decay: Optional[float] = None) -> None:
+        """Average in the module's weights; ``decay`` is this update's β (required when ``self.decay`` is auto)."""
+        beta = self.decay if decay is None else decay
+        if beta == "auto":
+            raise ValueError("EwmaWeights(decay='auto').update needs this step's decay")
         current = {name: storage(p).detach().float().cpu() for name, p in module.named_parameters()}
         if self._avg is None:
             self._avg = {name: torch.zeros_like(t) for name, t in current.items()}
         for name, t in current.items():
-            self._avg[name].mul_(self.decay).add_(t, alpha=1 - self.decay)
+            self._avg[name].mul_(beta).add_(t, alpha=1 - beta)
         self.n += 1
+        self.kept *= beta
 
     def state(self) -> Optional[State]:
         if self._avg is None:
             return None
-        correction = 1 - self.decay**self.n
+        correction = 1 - (self.kept if self.decay == "auto" else self.decay**self.n)
         return {name: t / correction for name, t in self._avg.items()}
 
     def nbytes(self) -> int:
         return state_bytes(self._avg) if self._avg else 0
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "n": self.n, "avg": self._avg}
+        return {"decay": self.decay, "n": self.n, "kept": self.kept, "avg": self._avg}
 
     def load_state_dict(self, d: dict) -> None:
         self.decay, self.n, self._avg = d["decay"], d["n"], d["avg"]
+        # checkpoints written before "kept" existed had a fixed decay
+        self.kept = d.get("kept", self.decay**self.n if self.decay != "auto" else 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------

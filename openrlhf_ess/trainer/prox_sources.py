@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from openrlhf_ess import distributed
+from openrlhf_ess.models import corrections
 from openrlhf_ess.trainer import prox
 
 
@@ -36,6 +37,11 @@ class ProxSources:
             self.snapshots.put(weight_version, self.module)
         elif algo.prox_mode == "ewma":
             self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
+        # --algo.prox_ewma_decay auto: the version lag of the tokens scored since the last optimizer step
+        # (sum, count), the optimizer steps per version (counted between syncs) and the β last used
+        self._lag_sum, self._lag_count, self._lag = 0.0, 0, 0.0
+        self._steps_at_sync, self._steps_per_version = 0, 1.0
+        self.ewma_decay_used: Optional[float] = None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -51,11 +57,28 @@ class ProxSources:
         """PPO-EWMA averages the weights after every optimizer step (accumulation boundaries only)."""
         if self.ewma is not None and self.engine.global_steps > self._optimizer_steps_seen:
             self._optimizer_steps_seen = self.engine.global_steps
-            self.ewma.update(self.module)
+            self.ewma.update(self.module, self._auto_decay() if self.ewma.decay == "auto" else None)
+
+    def _auto_decay(self) -> float:
+        """β for this step under ``--algo.prox_ewma_decay auto``: the EWMA's mean age β/(1−β) equals the mean
+        version lag of the tokens scored since the last step, in optimizer steps (lag × steps per version).
+        No token scored since: the previous lag. Every rank takes the largest rank's lag, so the ranks (and
+        ZeRO-3's partitions) average with one β; called on every rank at the same optimizer step."""
+        if self._lag_count:
+            self._lag = self._lag_sum / self._lag_count
+            self._lag_sum, self._lag_count = 0.0, 0
+        lag = self._lag
+        if distributed.is_multi_rank():
+            lag = distributed.all_reduce_max([lag])[0]
+        self.ewma_decay_used = corrections.ewma_decay_for_age(lag * self._steps_per_version)
+        return self.ewma_decay_used
 
     def after_sync(self, version: int) -> None:
         if self.snapshots is not None:
             self.snapshots.put(version, self.module)
+        steps = self._optimizer_steps_seen - self._steps_at_sync
+        if steps > 0:
+            self._steps_per_version, self._steps_at_sync = float(steps), self._optimizer_steps_seen
 
     def _swapped(self, state):
         """The module with ``state``'s weights for one block (all ranks together under ZeRO-3)."""
@@ -78,6 +101,10 @@ class ProxSources:
         """
         t0 = time.time()
         if self.ewma is not None:
+            if self.ewma.decay == "auto":
+                tagged = versions >= 0  # prompt/padding columns carry a negative version (NO_VERSION)
+                self._lag_sum += float((weight_version - versions[tagged]).clamp(min=0).sum())
+                self._lag_count += int(tagged.sum())
             state = self.ewma.state()
             if state is None:  # no optimizer step yet: the EWMA equals the initial weights
                 return current
@@ -141,6 +168,8 @@ class ProxSources:
         }
         if self.ewma is not None:
             out["prox/ewma_updates"] = float(self.ewma.n)
+            if self.ewma_decay_used is not None:
+                out["prox/ewma_decay"] = self.ewma_decay_used
         self._seconds, self._forwards, self._missing = 0.0, 0, 0
         return out
 

@@ -1,0 +1,171 @@
+"""--algo.prox_ewma_decay auto: β = age/(1+age) from the observed version lag (issue 15 §3), by hand numbers."""
+
+import types
+
+import pytest
+import torch
+
+from openrlhf_ess import config
+from openrlhf_ess.models.corrections import ewma_decay_for_age
+from openrlhf_ess.trainer import prox
+from openrlhf_ess.trainer.prox_sources import ProxSources
+
+
+def test_decay_for_age_by_hand():
+    assert ewma_decay_for_age(0) == 0.0  # the live weights
+    assert ewma_decay_for_age(1) == 0.5
+    assert ewma_decay_for_age(3) == 0.75
+    assert ewma_decay_for_age(9) == pytest.approx(0.9)  # the fixed default is a mean age of 9 steps
+    # the mean age Σ_k k (1−β) βᵏ of the EWMA's weights is the age asked for
+    beta = ewma_decay_for_age(4)
+    assert sum(k * (1 - beta) * beta**k for k in range(2000)) == pytest.approx(4.0)
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="age"):
+            ewma_decay_for_age(bad)
+
+
+def _scalar_module(value: float) -> torch.nn.Module:
+    m = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        m.weight.fill_(value)
+    return m
+
+
+def _set(m, value):
+    with torch.no_grad():
+        m.weight.fill_(value)
+
+
+def test_ewma_weights_with_a_decay_per_update_by_hand():
+    m = _scalar_module(1.0)
+    ewma = prox.EwmaWeights("auto")
+    ewma.update(m, 0.5)  # avg = 0.5·0 + 0.5·1 = 0.5; kept 0.5 → 0.5 / (1 − 0.5) = 1
+    assert ewma.state()["weight"].item() == pytest.approx(1.0)
+    _set(m, 2.0)
+    ewma.update(m, 0.0)  # β = 0: avg = 2, kept 0 → the live weights, 2
+    assert ewma.state()["weight"].item() == pytest.approx(2.0)
+    _set(m, 3.0)
+    ewma.update(m, 0.75)  # avg = 0.75·2 + 0.25·3 = 2.25, kept 0 → 2.25
+    assert ewma.state()["weight"].item() == pytest.approx(2.25)
+    with pytest.raises(ValueError, match="decay"):
+        ewma.update(m)  # auto needs the step's β
+    # checkpoint round trip keeps the product of the decays
+    again = prox.EwmaWeights("auto")
+    again.load_state_dict(ewma.state_dict())
+    assert again.state()["weight"].item() == pytest.approx(2.25) and again.kept == 0.0
+
+
+def test_fixed_decay_is_unchanged():
+    m = _scalar_module(1.0)
+    ewma = prox.EwmaWeights(0.9)
+    ewma.update(m)
+    _set(m, 2.0)
+    ewma.update(m)
+    # avg = 0.9·0.1 + 0.1·2 = 0.29; 1 − 0.9² = 0.19
+    assert ewma.state()["weight"].item() == pytest.approx(0.29 / 0.19)
+    legacy = {"decay": 0.9, "n": 2, "avg": {"weight": torch.tensor([[0.29]])}}  # saved before "kept" existed
+    old = prox.EwmaWeights(0.9)
+    old.load_state_dict(legacy)
+    assert old.state()["weight"].item() == pytest.approx(0.29 / 0.19)
+
+
+def _independent(thetas, betas):
+    """Closed form of the bias-corrected EWMA with per-step decays: θ̂ = Σ_k θ_k (1−β_k) Π_{j>k} β_j / (1 − Π_j β_j)."""
+    total, kept = 0.0, 1.0
+    for k, (theta, beta) in enumerate(zip(thetas, betas)):
+        later = 1.0
+        for b in betas[k + 1 :]:
+            later *= b
+        total += theta * (1 - beta) * later
+        kept *= beta
+    return total / (1 - kept)
+
+
+def test_prox_sources_sets_each_steps_decay_from_the_observed_lag():
+    module = _scalar_module(1.0)
+    engine = types.SimpleNamespace(module=module, global_steps=0)
+    algo = types.SimpleNamespace(prox_mode="ewma", prox_ewma_decay="auto", prox_snapshots=4)
+    src = ProxSources(types.SimpleNamespace(algo=algo), engine, partitioned=False)
+
+    def scored(versions, weight_version):
+        current = torch.zeros(versions.shape)
+        return src.log_probs(
+            current, versions, lambda: torch.full(versions.shape, module.weight.item()), weight_version
+        )
+
+    # batch at version 2: tokens of versions 0, 0, 2 (lags 2, 2, 0; −1 is a prompt column) → mean lag 4/3
+    out = scored(torch.tensor([[-1, 0, 0, 2]]), weight_version=2)
+    assert torch.equal(out, torch.zeros(1, 4))  # no optimizer step yet: the live weights' log-probs
+    engine.global_steps = 1
+    src.after_optimizer_step()
+    assert src.ewma_decay_used == pytest.approx((4 / 3) / (1 + 4 / 3))  # 4/7
+    _set(module, 2.0)
+    engine.global_steps = 2
+    src.after_optimizer_step()  # no token scored since: the previous lag, 4/3
+    assert src.ewma_decay_used == pytest.approx(4 / 7)
+    src.after_sync(3)  # 2 optimizer steps in this version
+    out = scored(torch.tensor([[2, 2, -1]]), weight_version=3)  # lag 1 version = 2 optimizer steps
+    # the forward ran with the EWMA of θ = 1, 2 with decays 4/7, 4/7 swapped in
+    assert out[0, 0].item() == pytest.approx(_independent([1.0, 2.0], [4 / 7, 4 / 7]), rel=1e-6)
+    assert module.weight.item() == 2.0  # the live weights are back
+    _set(module, 3.0)
+    engine.global_steps = 3
+    src.after_optimizer_step()
+    assert src.ewma_decay_used == pytest.approx(2 / 3)  # age 1 × 2 = 2 steps
+    expected = _independent([1.0, 2.0, 3.0], [4 / 7, 4 / 7, 2 / 3])
+    assert src.ewma.state()["weight"].item() == pytest.approx(expected, rel=1e-6)
+    assert src.metrics()["prox/ewma_decay"] == pytest.approx(2 / 3)
+
+
+def _base(world):
+    return [
+        "--actor.model_name_or_path",
+        world["model"],
+        "--data.prompt_dataset",
+        world["prompts"],
+        "--reward.remote_url",
+        world["reward"],
+        "--vllm.num_engines",
+        "1",
+        "--ds.attn_implementation",
+        "sdpa",
+        "--algo.advantage.estimator",
+        "reinforce",
+    ]
+
+
+def test_flag_parses_auto_and_numbers_and_names_itself_when_wrong(tiny_world, capsys):
+    from openrlhf_ess.cli import train_ppo_ray as cli
+
+    args, _ = cli.parse_args(_base(tiny_world) + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "auto"])
+    assert args.algo.prox_ewma_decay == "auto"
+    args, _ = cli.parse_args(_base(tiny_world) + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.8"])
+    assert args.algo.prox_ewma_decay == 0.8
+    args, _ = cli.parse_args(_base(tiny_world))
+    assert args.algo.prox_ewma_decay == 0.9  # default unchanged
+    with pytest.raises(SystemExit):
+        cli.parse_args(_base(tiny_world) + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "fast"])
+    assert "--algo.prox_ewma_decay" in capsys.readouterr().err
+    with pytest.raises(config.ConfigError, match="--algo.prox_ewma_decay .*recompute"):
+        cli.parse_args(_base(tiny_world) + ["--algo.prox_ewma_decay", "auto"])
+
+
+@pytest.mark.slow
+def test_auto_decay_through_the_cli(tiny_world, tmp_path):
+    """Async queue 2 on the real stack: each step's logged β is lag/(1+lag) of the lag the step's batch had
+    (one optimizer step per version here, so the age in steps is the lag in versions)."""
+    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
+
+    run_dir = str(tmp_path)
+    args = tiny_args(tiny_world, run_dir, steps_prompts=48)
+    flags = ["--train.async_enable", "--train.async_queue_size", "2", "--algo.tis_cap", "2"]
+    flags += ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "auto"]
+    rc, log = run_cli(args + flags, run_dir)
+    assert rc == 0, log[-5000:]
+    tb = read_tensorboard(run_dir)
+    decay = dict(tb["train/prox/ewma_decay"])
+    lag = dict(tb["train/version_lag/mean"])
+    print(f"[ewma auto] lag {lag} decay {decay}")
+    assert len(decay) >= 3 and any(lag[s] > 0 for s in decay)  # 4 steps logged here (lags 0, 1, 2, 2)
+    for step, beta in decay.items():
+        assert beta == pytest.approx(lag[step] / (1 + lag[step]), abs=1e-6), (step, lag, decay)
