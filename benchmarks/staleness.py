@@ -8,8 +8,11 @@ partial rollouts) with each correction (none; TIS; TIS + exact π_prox (snapshot
 TIS + EWMA π_prox; bypass, π_prox = μ), for several training seeds, one run after another. Writes, into ``--out``:
 ``results.json`` (every run's per-step curves), ``reward.png`` (reward vs step per staleness level, mean
 over seeds with the min–max band), ``ess_lr.png`` (ρ_ESS and the LR scale of the ESS-LR runs) and
-``results.md`` (final reward and the measured version lag per configuration). The reading of the numbers
-is written by hand in ``docs/staleness.md``.
+``results.md`` (final reward and the measured version lag per configuration), and ``reward_wall.png``
+(reward vs seconds since launch). Not in the default grid, chosen with ``--staleness``/``--corrections``:
+an async queue of 8 and TIS + EWMA with β from the lag (``auto``); LR, PPO epochs and other run flags go
+through ``--extra`` (the search in docs/staleness.md, "A regime where staleness hurts"). The reading of
+the numbers is written by hand in ``docs/staleness.md``.
 
 GPU variant: ``--gpu --model MODEL --prompts-file DATA.jsonl --reward REWARD.py`` runs the same grid on a
 real model with one GPU each for the actor and the engine (see docs/staleness.md).
