@@ -54,6 +54,9 @@ CORRECTIONS: Dict[str, List[str]] = {
 EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"],
     "TIS + EWMA auto": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "auto"],
+    # The beta sweep of issue 15 §3 (β = 0.9 is "TIS + EWMA" above)
+    "TIS + EWMA β=0.3": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.3"],
+    "TIS + EWMA β=0.6": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.6"],
 }
 ALL_CORRECTIONS = {**CORRECTIONS, **EXTRA_CORRECTIONS}
 STALENESS: Dict[str, List[str]] = {
