@@ -302,7 +302,9 @@ def main() -> None:
     for level, name in configs:
         key = f"{level} | {name}"
         for seed in range(a.seeds):
-            run_dir = os.path.join(root, f"{level}_{name}_s{seed}".replace(" ", "_").replace("+", "p"))
+            # ASCII only: Ray's core worker fails on a non-ASCII path (the β in "TIS + EWMA β=0.3")
+            slug = f"{level}_{name}_s{seed}".replace(" ", "_").replace("+", "p").replace("β", "beta")
+            run_dir = os.path.join(root, slug)
             os.makedirs(run_dir, exist_ok=True)
             t0 = time.time()
             curves = run_once(a, world, STALENESS[level] + ALL_CORRECTIONS[name], run_dir, seed=42 + seed)
