@@ -8,8 +8,11 @@ partial rollouts) with each correction (none; TIS; TIS + exact π_prox (snapshot
 TIS + EWMA π_prox; bypass, π_prox = μ), for several training seeds, one run after another. Writes, into ``--out``:
 ``results.json`` (every run's per-step curves), ``reward.png`` (reward vs step per staleness level, mean
 over seeds with the min–max band), ``ess_lr.png`` (ρ_ESS and the LR scale of the ESS-LR runs) and
-``results.md`` (final reward and the measured version lag per configuration). The reading of the numbers
-is written by hand in ``docs/staleness.md``.
+``results.md`` (final reward and the measured version lag per configuration), and ``reward_wall.png``
+(reward vs seconds since launch). Not in the default grid, chosen with ``--staleness``/``--corrections``:
+an async queue of 8 and TIS + EWMA with β from the lag (``auto``); LR, PPO epochs and other run flags go
+through ``--extra`` (the search in docs/staleness.md, "A regime where staleness hurts"). The reading of
+the numbers is written by hand in ``docs/staleness.md``.
 
 GPU variant: ``--gpu --model MODEL --prompts-file DATA.jsonl --reward REWARD.py`` runs the same grid on a
 real model with one GPU each for the actor and the engine (see docs/staleness.md).
@@ -51,6 +54,9 @@ CORRECTIONS: Dict[str, List[str]] = {
 EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"],
     "TIS + EWMA auto": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "auto"],
+    # The beta sweep of issue 15 §3 (β = 0.9 is "TIS + EWMA" above)
+    "TIS + EWMA β=0.3": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.3"],
+    "TIS + EWMA β=0.6": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.6"],
 }
 ALL_CORRECTIONS = {**CORRECTIONS, **EXTRA_CORRECTIONS}
 STALENESS: Dict[str, List[str]] = {
@@ -296,7 +302,9 @@ def main() -> None:
     for level, name in configs:
         key = f"{level} | {name}"
         for seed in range(a.seeds):
-            run_dir = os.path.join(root, f"{level}_{name}_s{seed}".replace(" ", "_").replace("+", "p"))
+            # ASCII only: Ray's core worker fails on a non-ASCII path (the β in "TIS + EWMA β=0.3")
+            slug = f"{level}_{name}_s{seed}".replace(" ", "_").replace("+", "p").replace("β", "beta")
+            run_dir = os.path.join(root, slug)
             os.makedirs(run_dir, exist_ok=True)
             t0 = time.time()
             curves = run_once(a, world, STALENESS[level] + ALL_CORRECTIONS[name], run_dir, seed=42 + seed)
