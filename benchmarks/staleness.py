@@ -74,6 +74,17 @@ CURVES = ("train/reward", "train/version_lag/mean", "train/rho_ess", "train/lr_s
 WALL = "wall/reward"
 
 
+def config_flags(level: str, name: str) -> List[str]:
+    """The CLI flags of one grid cell. A snapshot correction keeps as many versions as the level's queue can lag
+    (queue + 1 with partial rollouts, + 1): 8 covers q1 and q4 (the recorded grid), q8 + partial needs 10."""
+    flags = STALENESS[level] + ALL_CORRECTIONS[name]
+    if "--algo.prox_snapshots" in flags and "--train.async_queue_size" in flags:
+        queue = int(flags[flags.index("--train.async_queue_size") + 1])
+        i = flags.index("--algo.prox_snapshots") + 1
+        flags = flags[:i] + [str(max(int(flags[i]), queue + 2))] + flags[i + 1 :]
+    return flags
+
+
 def grid(staleness: List[str], corrections: List[str]):
     for level in staleness:
         for name in corrections:
@@ -307,7 +318,7 @@ def main() -> None:
             run_dir = os.path.join(root, slug)
             os.makedirs(run_dir, exist_ok=True)
             t0 = time.time()
-            curves = run_once(a, world, STALENESS[level] + ALL_CORRECTIONS[name], run_dir, seed=42 + seed)
+            curves = run_once(a, world, config_flags(level, name), run_dir, seed=42 + seed)
             results.setdefault(key, []).append(curves)
             done += 1
             eta = (time.time() - t_start) / done * (total - done)

@@ -70,7 +70,7 @@ def _benchmark_configs():
         for name, flags in configs.items():
             yield f"overhead/{group}/{name}", flags
     for level, name in staleness.grid(list(staleness.STALENESS), list(staleness.ALL_CORRECTIONS)):
-        yield f"staleness/{level}/{name}", staleness.STALENESS[level] + staleness.ALL_CORRECTIONS[name]
+        yield f"staleness/{level}/{name}", staleness.config_flags(level, name)
     for name, flags in sampling_mask.RUNS.items():
         yield f"sampling_mask/{name}", sampling_mask.ASYNC + flags
 
