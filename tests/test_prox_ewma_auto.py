@@ -9,6 +9,7 @@ from openrlhf_ess import config
 from openrlhf_ess.models.corrections import ewma_decay_for_age
 from openrlhf_ess.trainer import prox
 from openrlhf_ess.trainer.prox_sources import ProxSources
+from tests.test_config import _base  # the minimal valid command (tiny world, one engine)
 
 
 def test_decay_for_age_by_hand():
@@ -115,23 +116,6 @@ def test_prox_sources_sets_each_steps_decay_from_the_observed_lag():
     expected = _independent([1.0, 2.0, 3.0], [4 / 7, 4 / 7, 2 / 3])
     assert src.ewma.state()["weight"].item() == pytest.approx(expected, rel=1e-6)
     assert src.metrics()["prox/ewma_decay"] == pytest.approx(2 / 3)
-
-
-def _base(world):
-    return [
-        "--actor.model_name_or_path",
-        world["model"],
-        "--data.prompt_dataset",
-        world["prompts"],
-        "--reward.remote_url",
-        world["reward"],
-        "--vllm.num_engines",
-        "1",
-        "--ds.attn_implementation",
-        "sdpa",
-        "--algo.advantage.estimator",
-        "reinforce",
-    ]
 
 
 def test_flag_parses_auto_and_numbers_and_names_itself_when_wrong(tiny_world, capsys):
