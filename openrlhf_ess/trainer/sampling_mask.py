@@ -23,7 +23,7 @@ import contextlib
 import contextvars
 import types
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from openrlhf_ess import cpu_compat
 
@@ -44,7 +44,7 @@ class _Active:
     sequences: torch.Tensor  # (B, S), to check that the labels' layout is the one we rebuild
     attention_mask: Optional[torch.Tensor]
     stop_ids: Sequence[int]
-    log_z_sum: float = 0.0
+    log_z_sum: Union[float, torch.Tensor] = 0.0  # on the logits' device: read once, not synced per forward
     tokens: int = 0
 
 
@@ -109,7 +109,7 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
         )
     kept = to_label_layout(active.kept_by_token, labels, active.attention_mask).to(labels.device)
     out, log_z, _ = maths.apply_to_log_probs(logits, labels, log_probs, kept, active.stop_ids)
-    active.log_z_sum += float(log_z.sum())
+    active.log_z_sum = active.log_z_sum + log_z.sum()
     active.tokens += log_z.numel()
     return out
 

@@ -75,7 +75,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         with sampling_mask.applied(kept, experience.sequences, experience.attention_mask, self.stop_ids) as state:
             status = self._training_step(experience, kl_ctl, step, loss_batch_info)
         if state.tokens:
-            status["metrics"]["sampling_mask/log_kept_mass"] = torch.tensor(state.log_z_sum / state.tokens)
+            log_kept_mass = torch.as_tensor(state.log_z_sum / state.tokens).detach().float().cpu()
+            status["metrics"]["sampling_mask/log_kept_mass"] = log_kept_mass
             status["weights"]["sampling_mask/log_kept_mass"] = "token"
         return status
 
