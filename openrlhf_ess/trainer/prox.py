@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -171,9 +171,128 @@ class EwmaWeights:
 # consumed) is reported by its engine as a token stream (prompt + output so far) with per-token versions.
 # Its V tokens are scored with V's weights right then (the actor's one kept copy, or the dedicated model
 # that still holds V) and kept in a ProxStore until the trainer consumes the sample.
+#
+# Memory of scoring at a sync (--algo.prox_score_memory_mb = B MiB; docs/prox_modes.md): one forward per group
+# of g ≤ 16 streams of width W, and the LM head applied r positions at a time, so beyond the weights
+#     peak ≈ r·V·b  +  g·W·H·s  +  one body forward's activations over g·W tokens  +  2·g·V·s
+# with r = max(1, ⌊B / (V·b)⌋) (b = 8 fp32 bytes per logit, 32 with kept counts), g·W·H·4 ≤ B (or g = 1), s the
+# model dtype's bytes. [streams, T, V] logits never exist (the old scorer held three fp32 copies of them).
 
 
-MICRO_BATCH = 16  # streams per forward when scoring at a sync
+MICRO_BATCH = 16  # most streams per body forward when scoring at a sync
+SCORE_MEMORY_MB = 2048  # --algo.prox_score_memory_mb: the fp32 logits-derived working memory of scoring at a sync
+# Bytes held per logit of a chunk at the peak: the chunk's fp32 logits + exp(x - max) of its logsumexp (plain: 8,
+# measured 8.0); with kept counts also sampling_mask.apply_to_log_probs's row copy, the copy with banned stop
+# tokens, top-k values and int64 indices (k up to V), then the support mask, masked copy and logsumexp temporaries
+# (measured 20-24 at worst on CPU; 32 leaves room for a GPU top-k's sort buffers). tests/test_prox_scoring_memory.py.
+PLAIN_BYTES_PER_LOGIT = 8
+MASKED_BYTES_PER_LOGIT = 32
+HIDDEN_BYTES = 4  # a group's final hidden states are budgeted as fp32 (bf16 ones take half)
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF causal LM in ``model``: itself, a DeepSpeed engine's (``.module``), or the one an upstream ``Actor``
+    wraps (``.model``, itself maybe an engine). Anything else is returned as it is (scored from its full logits)."""
+    while True:
+        inner = getattr(model, "module", None)  # a DeepSpeed engine (which also forwards its module's attributes)
+        if not isinstance(inner, torch.nn.Module) and not hasattr(model, "get_output_embeddings"):
+            inner = getattr(model, "model", None)  # upstream's Actor (an HF causal LM's .model is its body: kept)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The LM head (hidden -> [V] logits) that ``model``'s forward calls on its final hidden states, if any."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(getattr(head, "weight", None), torch.Tensor) else None
+
+
+def head_shape(head: Optional[torch.nn.Module]) -> Tuple[int, int]:
+    """(V, hidden size) of the LM head's weight (its full shape under ZeRO-3, where ``weight`` is a partition);
+    (0, 0) without a head."""
+    if head is None:
+        return 0, 0
+    shape = getattr(head.weight, "ds_shape", head.weight.shape)
+    return int(shape[0]), int(shape[-1])
+
+
+def rows_per_chunk(vocab: int, memory_mb: int = SCORE_MEMORY_MB, masked: bool = False) -> int:
+    """Positions whose [V] logits are scored at once: r = max(1, ⌊budget / (V · b)⌋), b = the fp32 bytes held
+    per logit at the peak (:data:`PLAIN_BYTES_PER_LOGIT`, or :data:`MASKED_BYTES_PER_LOGIT` with kept counts)."""
+    per_row = vocab * (MASKED_BYTES_PER_LOGIT if masked else PLAIN_BYTES_PER_LOGIT)
+    return max(1, memory_mb * 2**20 // max(per_row, 1))
+
+
+def stream_groups(lengths, hidden_size: int = 0, memory_mb: int = SCORE_MEMORY_MB, micro_batch: int = MICRO_BATCH):
+    """The streams of each body forward: consecutive runs of at most ``micro_batch`` streams whose padded hidden
+    states, counted in fp32 (g · W · hidden_size · 4 bytes, W = the group's longest stream), fit the budget; a
+    stream alone always forms a group. A pure function of the lengths and of settings every rank shares."""
+    budget = memory_mb * 2**20
+    groups, start, width = [], 0, 0
+    for i, n in enumerate(lengths):
+        grown = max(width, n)
+        if i > start and (
+            i - start + 1 > micro_batch or (i - start + 1) * grown * hidden_size * HIDDEN_BYTES > budget
+        ):
+            groups.append(range(start, i))
+            start, grown = i, n
+        width = grown
+    if len(lengths):
+        groups.append(range(start, len(lengths)))
+    return groups
+
+
+def forwards_needed(
+    streams, micro_batch: int = MICRO_BATCH, model: Optional[torch.nn.Module] = None, memory_mb: int = SCORE_MEMORY_MB
+) -> int:
+    """The model forwards ``stream_log_probs(model, streams, micro_batch=..., memory_mb=...)`` runs for these
+    streams (one per :func:`stream_groups` group). ``streams`` may also be a count: then only the micro-batch
+    bound applies (exact while no group is cut by the hidden-state budget). Under ZeRO-3 each rank computes it for
+    its own streams and the ranks take the maximum (``ProxSources.score_streams``), so all run that many."""
+    if isinstance(streams, int):
+        return -(-streams // micro_batch)
+    _, hidden = head_shape(output_head(causal_lm(model))) if model is not None else (0, 0)
+    return len(stream_groups([len(s) for s in streams], hidden, memory_mb, micro_batch))
+
+
+def _softcap(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """The final-logit soft-capping some causal LMs (Gemma 2/3) apply after the head, in place, as they do it."""
+    cap = getattr(model.config, "final_logit_softcapping", None) if hasattr(model, "config") else None
+    if cap is not None:
+        logits.div_(cap).tanh_().mul_(cap)
+    return logits
+
+
+def chunked_log_probs(project, n_rows: int, labels, counts, temperature: float, rows: int, stop_ids=()):
+    """log softmax(z_j / T)(y_j) of ``n_rows`` positions, ``rows`` at a time (at most ``rows`` · V · b bytes).
+
+    ``project(part)`` gives the [len(part), V] logits z of the positions in the slice ``part`` (a fresh tensor,
+    modified in place here); ``labels`` [n_rows] the tokens y; ``counts`` [n_rows] the kept counts (None: no
+    sampling mask). log-prob = z_y/T − logsumexp(z/T), computed as (z_y/T − m) − log Σ exp(z/T − m), m = max: one
+    [rows, V] temporary, no log-softmax copy. Against an fp64 reduction it is within ~2e-6 over V = 151,936, where
+    fp32 ``log_softmax`` (the old scorer) is up to ~2e-5 off (tests/test_prox_scoring_memory.py).
+    """
+    out = None
+    for start in range(0, n_rows, rows):
+        part = slice(start, min(start + rows, n_rows))
+        x = project(part)
+        x = x.float()  # a copy unless the model is fp32 (then the fresh projection itself)
+        if temperature != 1.0:
+            x.div_(temperature)
+        top = x.amax(-1, keepdim=True)
+        log_norm = (x - top).exp_().sum(-1, keepdim=True).log_()
+        y = labels[part]
+        lp = (x.gather(-1, y[:, None]) - top - log_norm)[:, 0]
+        del top, log_norm
+        if counts is not None:
+            lp, _, _ = sampling_mask.apply_to_log_probs(x, y, lp, counts[part], stop_ids)
+        del x
+        if out is None:
+            out = torch.empty(n_rows, dtype=torch.float32, device=lp.device)
+        out[part] = lp
+    return out if out is not None else torch.empty(0, dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -185,47 +304,101 @@ def stream_log_probs(
     forwards: int = 0,
     kept=None,
     stop_ids=(),
+    memory_mb: int = SCORE_MEMORY_MB,
 ):
     """log π(s_t | s_<t) for t >= 1 of each token stream, as the actor's forward computes it.
 
     The streams are right-padded (so position ids are 0..L-1, as upstream's Actor derives them from the
     attention mask) and the logits are divided by the sampling temperature in fp32 before the softmax.
-    Returns one fp32 CPU tensor of length len(stream) - 1 per stream. ``forwards``: run at least this many
-    forwards (padding with a one-token one), so ZeRO-3 ranks with fewer streams join every gather.
-    ``kept`` (--algo.sampling_mask keep): per stream, the engine's kept count of each token (0 for prompt
-    tokens); token t's log-prob is then renormalised over its kept support (``models/sampling_mask.py``).
+    Returns one fp32 CPU tensor of length len(stream) - 1 per stream. ``model``: an HF causal LM, or an
+    upstream ``Actor`` / DeepSpeed engine around one. ``forwards``: run at least this many forwards (padding
+    with a one-token one), so ZeRO-3 ranks with fewer streams join every gather. ``kept``
+    (--algo.sampling_mask keep): per stream, the engine's kept count of each token (0 for prompt tokens);
+    token t's log-prob is then renormalised over its kept support (``models/sampling_mask.py``).
+
+    Memory (``memory_mb``, --algo.prox_score_memory_mb; docs/prox_modes.md): one model forward per group of
+    :func:`stream_groups` (≤ ``micro_batch`` streams, hidden states ≤ the budget in fp32), and the LM head is
+    applied to the final hidden states :func:`rows_per_chunk` positions at a time, inside the head's own call
+    (so under ZeRO-3 its weight is gathered once per forward, as before) — the model's own head call then gets
+    only the last position. The [streams, T, V] logits are never materialised. A model without a separable head
+    (no ``get_output_embeddings``) is scored from its full logits, in the same chunks.
     """
+    model = causal_lm(model)
     device = next(model.parameters()).device
+    head = output_head(model)
+    vocab, hidden = head_shape(head)
+    groups = stream_groups([len(s) for s in streams], hidden, memory_mb, micro_batch)
+    masked = kept is not None
     out = []
-    for start in range(0, len(streams), micro_batch):
-        chunk = [torch.as_tensor(s, dtype=torch.long) for s in streams[start : start + micro_batch]]
+    for group in groups:
+        chunk = [torch.as_tensor(streams[i], dtype=torch.long) for i in group]
         width = max(len(s) for s in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
         for i, s in enumerate(chunk):
             ids[i, : len(s)], mask[i, : len(s)] = s, 1
         positions = torch.arange(width).expand(len(chunk), width)
-        logits = model(
-            input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device)
-        ).logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        labels = ids[:, 1:].to(device)
-        lp = logits[:, :-1].log_softmax(-1).gather(-1, labels[..., None])[..., 0]
-        if kept is not None:
-            counts = torch.zeros(len(chunk), width, dtype=torch.long)
-            for i, k in enumerate(kept[start : start + micro_batch]):
-                counts[i, : len(k)] = torch.as_tensor(k, dtype=torch.long)
-            lp, _, _ = sampling_mask.apply_to_log_probs(logits[:, :-1], labels, lp, counts[:, 1:].to(device), stop_ids)
-        lp = lp.cpu()
-        out.extend(lp[i, : len(s) - 1] for i, s in enumerate(chunk))
-    for _ in range(forwards - forwards_needed(len(streams), micro_batch)):
+        # the scored positions, stream-major: (stream b, position t) predicts ids[b, t + 1], t < len - 1
+        sizes = [max(len(s) - 1, 0) for s in chunk]
+        b_index = torch.repeat_interleave(torch.arange(len(chunk)), torch.tensor(sizes, dtype=torch.long))
+        t_index = torch.cat([torch.arange(n) for n in sizes])
+        labels = ids[b_index, t_index + 1].to(device)
+        counts = None
+        if masked:
+            full = torch.zeros(len(chunk), width, dtype=torch.long)
+            for i, j in enumerate(group):
+                full[i, : len(kept[j])] = torch.as_tensor(kept[j], dtype=torch.long)
+            counts = full[b_index, t_index + 1].to(device)
+        b_index, t_index = b_index.to(device), t_index.to(device)
+
+        def score(logits_of, rows):
+            def project(part):
+                return logits_of(b_index[part], t_index[part])
+
+            return chunked_log_probs(project, len(labels), labels, counts, temperature, rows, stop_ids)
+
+        inputs = dict(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device))
+        lp, logits = _forward_scoring_in_head(model, head, inputs, score, rows_per_chunk(vocab, memory_mb, masked))
+        if lp is None:  # no separable head: its full logits, scored in the same chunks
+            lp = score(lambda b, t, full=logits: full[b, t], rows_per_chunk(logits.shape[-1], memory_mb, masked))
+        logits = None
+        out.extend(torch.split(lp.cpu(), sizes))
+    for _ in range(forwards - len(groups)):
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
     return out
 
 
-def forwards_needed(n_streams: int, micro_batch: int = MICRO_BATCH) -> int:
-    return -(-n_streams // micro_batch)
+def _forward_scoring_in_head(model, head, inputs, score, rows):
+    """One forward of ``model``, in which the LM head's call scores every position (``score``) from its input,
+    the final hidden states, and passes on only the last position. Returns (log-probs, None), or (None, the full
+    logits) when there is no head or the forward did not call it. Checks that the model's logits are the head's
+    output (+ soft-capping): a model that transforms them further is refused, not scored differently."""
+    if head is None:
+        return None, model(**inputs).logits
+    taken = {}
+
+    def on_head(module, args):
+        if not args or "lp" in taken:  # a keyword or second call: left as it is (the first is the final states)
+            return None
+        hidden = args[0]  # [B, W, H], in the head's own call: under ZeRO-3 its weight is gathered now
+        taken["lp"] = score(lambda b, t: _softcap(model, module.forward(hidden[b, t])), rows)
+        last = hidden[:, -1:]
+        taken["last"] = _softcap(model, module.forward(last))
+        return (last,) + tuple(args[1:])
+
+    handle = head.register_forward_pre_hook(on_head)
+    try:
+        logits = model(**inputs).logits
+    finally:
+        handle.remove()
+    if "lp" not in taken:
+        return None, logits
+    if logits.shape != taken["last"].shape or not torch.allclose(logits.float(), taken["last"].float()):
+        raise RuntimeError(
+            f"prox.stream_log_probs: {type(model).__name__}'s logits are not its LM head's output (+ soft-capping), "
+            "so scoring from the head would differ from its forward; extend prox._softcap with its logit transform."
+        )
+    return taken["lp"], None
 
 
 class ProxStore:

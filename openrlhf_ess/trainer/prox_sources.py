@@ -137,7 +137,10 @@ class ProxSources:
         state = self.snapshots.get(version)
         if state is None:
             raise RuntimeError(f"interrupt mode: no copy of version {version} (kept: {self.snapshots.versions()})")
-        forwards = prox.forwards_needed(len(streams))
+        # --algo.prox_score_memory_mb (partial args namespaces in tests lack it: the flag's default)
+        memory_mb = getattr(self.args.algo, "prox_score_memory_mb", prox.SCORE_MEMORY_MB)
+        # this rank's forwards (a function of its stream lengths, the model and the budget); the max over ranks
+        forwards = prox.forwards_needed(streams, model=self.module, memory_mb=memory_mb)
         if self.partitioned:
             forwards = int(distributed.all_reduce_max([forwards])[0])
         if forwards == 0:
@@ -149,7 +152,13 @@ class ProxSources:
         try:
             with self._swapped(state):
                 out = prox.stream_log_probs(
-                    model, streams, self.args.rollout.temperature, forwards=forwards, kept=kept, stop_ids=stop_ids
+                    model,
+                    streams,
+                    self.args.rollout.temperature,
+                    forwards=forwards,
+                    kept=kept,
+                    stop_ids=stop_ids,
+                    memory_mb=memory_mb,
                 )
         finally:
             model.train(was_training)

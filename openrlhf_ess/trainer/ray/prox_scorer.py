@@ -26,7 +26,15 @@ READY_TIMEOUT_S = 600  # model load included; a scorer that cannot be placed fai
 
 
 class ProxScorerImpl:
-    def __init__(self, pretrain: str, dtype: str, attn_implementation: str, temperature: float, mask: bool = False):
+    def __init__(
+        self,
+        pretrain: str,
+        dtype: str,
+        attn_implementation: str,
+        temperature: float,
+        mask: bool = False,
+        memory_mb: int = prox.SCORE_MEMORY_MB,
+    ):
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -35,6 +43,7 @@ class ProxScorerImpl:
         ).to(self.device)
         self.model.eval()
         self.temperature = temperature
+        self.memory_mb = memory_mb  # --algo.prox_score_memory_mb
         self.version = 0
         self.stop_ids = ()
         if mask:  # --algo.sampling_mask keep: the engine's stop tokens, banned where the kept count is < 0
@@ -53,7 +62,9 @@ class ProxScorerImpl:
                 f"dedicated old-log-prob model holds version {self.version}, asked to score version {version}: "
                 "a weight sync reached it out of order."
             )
-        return prox.stream_log_probs(self.model, streams, self.temperature, kept=kept, stop_ids=self.stop_ids)
+        return prox.stream_log_probs(
+            self.model, streams, self.temperature, kept=kept, stop_ids=self.stop_ids, memory_mb=self.memory_mb
+        )
 
     def load_weights(self, version: int, blob: bytes) -> float:
         """Take version ``version``'s weights (safetensors bytes of the actor's HF parameters)."""
@@ -79,6 +90,7 @@ def create(args, pretrain: str):
         args.ds.attn_implementation,
         args.rollout.temperature,
         config.sampling_mask_on(args),
+        args.algo.prox_score_memory_mb,
     )
     try:
         ray.get(scorer.ready.remote(), timeout=READY_TIMEOUT_S)
