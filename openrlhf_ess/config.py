@@ -115,6 +115,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Logical GPUs the local Ray instance declares on a machine without CUDA, so upstream's GPU "
         "placement groups can be scheduled (default: what the flags ask for). Ignored with --ray.address.",
     )
+    group.add_argument(
+        "--selfcheck",
+        choices=["on", "off"],
+        default="on",
+        help="Start-up self-checks, after the models are loaded and before the first rollout: placement (no two "
+        "ranks on one GPU unless a --train.colocate_* flag asks), one all-reduce and all-gather on the actor's "
+        "process group, each actor rank's free GPU memory against our features' stated peak; with "
+        "--algo.sampling_mask keep each engine proves it reports kept counts. A failure stops the run naming the "
+        "contract and the fix; the time taken is logged (docs/gpu_path.md#start-up-self-checks). off: skip them.",
+    )
+    group.add_argument(
+        "--ray.accelerator",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="Whether the run's actors and engines use CUDA. auto (default) decides from the cluster, not from "
+        "the driver: with --ray.address / RAY_ADDRESS, a probe on each Ray node that declares GPUs asks NVML "
+        "(without initialising CUDA) whether it has an NVIDIA GPU; with a private Ray instance, this machine. "
+        "A CPU-only head node or `ray job submit` (whose driver sees no GPU) thus still runs a GPU cluster in GPU "
+        "mode. The decision and its reason are the first line of the log. cuda / cpu: skip the probe.",
+    )
 
 
 def add_ess_lr_arguments(parser: argparse.ArgumentParser) -> None:
@@ -246,7 +266,8 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=1.0,
         help="dedicated mode: GPUs of the old-log-prob model (a Ray actor holding an HF copy of the policy in "
-        "--ds.param_dtype). On CPU one more logical GPU is created for it.",
+        "--ds.param_dtype), in (0, 1]: the copy is not sharded, so it must fit one GPU (a fraction shares one). "
+        "On CPU one more logical GPU is created for it.",
     )
     group.add_argument(
         "--algo.prox_snapshots",
@@ -280,6 +301,16 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         "each step's beta = age/(1+age), so the EWMA's mean age beta/(1-beta) equals the mean version lag of the "
         "tokens scored since the previous step, in optimizer steps (Hilton et al. 2021 tie beta to the proximal "
         "policy's age); logged as prox/ewma_decay. Costs nothing beyond ewma mode.",
+    )
+    group.add_argument(
+        "--algo.prox_score_memory_mb",
+        type=int,
+        default=2048,
+        help="interrupt and dedicated modes: bound (MB, > 0) on the fp32 logits-derived working memory of scoring "
+        "token streams at a sync. The LM head runs on the final hidden states a chunk of positions at a time "
+        "(about MB / (V x 8 bytes) positions, V x 32 with --algo.sampling_mask keep), never on [streams, T, V] at "
+        "once, and a forward takes at most 16 streams whose fp32 hidden states fit in MB. Smaller: less memory, "
+        "more, smaller LM-head calls (same numbers). docs/prox_modes.md.",
     )
 
 
@@ -402,6 +433,15 @@ def logical_gpus_needed(args: types.SimpleNamespace) -> int:
     return total + dedicated_gpus(args)
 
 
+def on_cuda(args) -> bool:
+    """Whether the run uses CUDA: ``--ray.accelerator`` as resolved by the CLI (``resolve_accelerator``: from the
+    Ray cluster, not the driver), else this process's answer (:func:`cpu_compat.cuda_available`)."""
+    decided = getattr(getattr(args, "ray", None), "accelerator", "auto")
+    if decided in ("cuda", "cpu"):
+        return decided == "cuda"
+    return cpu_compat.cuda_available()
+
+
 def validate_before_upstream(flat: argparse.Namespace) -> None:
     """Checks that must run before upstream's post-parse code, which crashes unclearly on them."""
     get = vars(flat).get
@@ -423,7 +463,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
     combination that would fail later or, worse, train on garbage.
     """
     notices: List[str] = []
-    on_cpu = not cpu_compat.cuda_available()
+    on_cpu = not on_cuda(args)
 
     if args.reward.failure_policy != "off" and not args.reward.remote_url:
         raise ConfigError(
@@ -572,6 +612,8 @@ def max_lag_possible(args: types.SimpleNamespace) -> int:
 def _validate_prox(args: types.SimpleNamespace, notices: List[str]) -> None:
     algo = args.algo
     mode = algo.prox_mode
+    if algo.prox_score_memory_mb <= 0:
+        raise ConfigError(f"--algo.prox_score_memory_mb must be > 0 (MB), got {algo.prox_score_memory_mb}.")
     if mode == "recompute":
         changed = algo.prox_snapshots != 4 or algo.prox_missing != "mask" or algo.prox_ewma_decay != 0.9
         if changed:
@@ -636,6 +678,15 @@ def _validate_score_at_sync(args: types.SimpleNamespace) -> None:
         raise ConfigError(
             f"--algo.prox_dedicated_num_gpus must be > 0 (the old-log-prob model needs a device), "
             f"got {args.algo.prox_dedicated_num_gpus}."
+        )
+    if mode == "dedicated" and args.algo.prox_dedicated_num_gpus > 1:
+        # The old-log-prob model is one HF copy on one device (trainer/ray/prox_scorer.py): a second GPU would
+        # be reserved and sit idle while the copy still has to fit the first one.
+        raise ConfigError(
+            f"--algo.prox_dedicated_num_gpus {args.algo.prox_dedicated_num_gpus}: the dedicated old-log-prob model "
+            "runs on one GPU (it is not sharded), so more would be reserved and never used. Use 1 (or a fraction "
+            "to share a GPU); for a model that does not fit one GPU use --algo.prox_mode interrupt (scored by the "
+            "training ranks, ZeRO-sharded) or snapshot."
         )
 
 

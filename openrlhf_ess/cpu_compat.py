@@ -11,7 +11,9 @@ below is one :class:`Patch` with
 - ``apply()``: the patch itself, idempotent.
 
 ``tests/test_cpu_compat.py`` checks the first two for every patch. Ray workers import modules fresh,
-so :func:`apply` is also installed as Ray's ``worker_process_setup_hook`` by the CLI.
+so :func:`apply` also runs in Ray's ``worker_process_setup_hook`` (``openrlhf_ess/worker_hook.py``). That hook
+runs before Ray sets an actor's ``CUDA_VISIBLE_DEVICES``, so nothing here may initialise CUDA: the decision
+CPU or CUDA is :func:`cuda_available`, which never calls into the CUDA runtime (``tests/test_worker_hook.py``).
 """
 
 from __future__ import annotations
@@ -29,10 +31,46 @@ from typing import Callable, List
 _APPLIED = False
 
 
+DEVICE_ENV = "OPENRLHF_ESS_DEVICE"  # "cuda" or "cpu": the run's decision, set by the CLI and forwarded to workers
+
+
 def cuda_available() -> bool:
+    """Whether this run uses CUDA. Never initialises CUDA (no ``cuInit``), so it is safe in Ray's worker set-up hook.
+
+    The answer is the driver's decision when there is one (``OPENRLHF_ESS_DEVICE``, set by the CLI from the Ray
+    cluster, ``cli/train_ppo_ray.py::resolve_accelerator``, and forwarded to every Ray worker), else
+    :func:`node_has_cuda`. Why not ``torch.cuda.is_available()``: it calls ``cudaGetDeviceCount`` (``cuInit``),
+    which fixes the process's device list; in a Ray worker that runs before Ray sets the actor's
+    ``CUDA_VISIBLE_DEVICES``, so every actor of the node would then see the node's full list and upstream's
+    ``set_device(0)`` would put them all on physical GPU 0 (issue 20, item 1).
+    """
+    decided = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if decided in ("cuda", "cpu"):
+        return decided == "cuda"
+    return node_has_cuda()
+
+
+def node_has_cuda() -> bool:
+    """Whether this node has an NVIDIA GPU that this torch can use, read without initialising CUDA.
+
+    A CPU build of torch: no. Otherwise NVML's device count (``libnvidia-ml``, the driver's management library,
+    which neither creates a context nor reads ``CUDA_VISIBLE_DEVICES``), and where NVML cannot be loaded, the
+    driver's ``/proc/driver/nvidia/gpus`` listing. A process that already initialised CUDA gets torch's answer.
+    """
     import torch
 
-    return torch.cuda.is_available()
+    if not hasattr(torch._C, "_cuda_getDeviceCount"):  # torch.cuda._is_compiled(): a CPU build
+        return False
+    if torch.cuda.is_initialized():
+        return torch.cuda.is_available()
+    try:
+        count = torch.cuda._raw_device_count_nvml()
+    except (AttributeError, OSError):  # no libnvidia-ml.so.1, or a torch without the helper
+        count = -1
+    if count >= 0:
+        return count > 0
+    gpus = "/proc/driver/nvidia/gpus"
+    return os.path.isdir(gpus) and bool(os.listdir(gpus))
 
 
 def _source_of(module: str, attr: str) -> str:
@@ -361,7 +399,7 @@ PATCHES: List[Patch] = [
 
 
 def apply() -> None:
-    """Apply every patch, once per process. Does nothing when CUDA is available."""
+    """Apply every patch, once per process. Does nothing (and imports nothing) when the run uses CUDA."""
     global _APPLIED
     if _APPLIED:
         return

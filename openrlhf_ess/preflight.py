@@ -250,7 +250,7 @@ def _check_model(flag: str, path: str, args, notices: List[str], load_tokenizer:
     if not _hub_id_form(path):
         raise ConfigError(
             f"{flag} {path}: no such folder ({os.path.abspath(path)} does not exist), and not a hub id (org/name). "
-            "Pass the folder that holds config.json and the weights."
+            "Pass the folder that holds config.json and the weights." + _cluster_path_rule(args)
         )
     if args.use_ms:
         notices.append(f"{flag} {path}: a ModelScope id (--use_ms): not checked before the run starts.")
@@ -279,6 +279,17 @@ def _check_model(flag: str, path: str, args, notices: List[str], load_tokenizer:
         return None
     _check_model_dir(flag, path, os.path.dirname(cached))  # the cached snapshot: all the run will have offline
     return _load_tokenizer(flag, path, args) if load_tokenizer else None
+
+
+def _cluster_path_rule(args) -> str:
+    """The rule for inputs on a multi-node cluster, said where a path is missing on the driver."""
+    if not (getattr(args.ray, "address", None) or os.environ.get("RAY_ADDRESS")):
+        return ""
+    return (
+        " (Pre-flight reads every input on this driver before the cluster's workers start: on a Ray cluster the "
+        "model, prompt, reward and output paths must be visible here as on the workers, e.g. on a shared "
+        "filesystem, which resume across nodes needs anyway.)"
+    )
 
 
 def _check_model_dir(flag: str, shown: str, folder: str) -> None:

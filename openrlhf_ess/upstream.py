@@ -195,6 +195,18 @@ def with_actor_trainer(init: Callable, trainer_cls: type) -> Callable:
     return rebind(init, {"ActorPPOTrainer": trainer_cls})
 
 
+def controller_groups(controller_args: tuple) -> Dict[str, Optional[list]]:
+    """The trainer roles' actor handles from the positional arguments upstream's ``train()`` passes to the
+    controller (``PPOTrainer.remote(pretrain, strategy, actor, critic, reward, reference, vllm_engines, ...)``):
+    role -> handles in rank order, None for a role the run does not have."""
+    names = {"actor": 2, "critic": 3, "reward": 4, "reference": 5}
+    out: Dict[str, Optional[list]] = {}
+    for role, index in names.items():
+        group = controller_args[index] if len(controller_args) > index else None
+        out[role] = group_actors(group) if group is not None else None
+    return out
+
+
 def group_actors(group: Any) -> list:
     """The Ray actor handles of one of upstream's ``RayActorGroup`` (one per rank, in rank order)."""
     return list(group._actor_handlers)

@@ -58,10 +58,11 @@ def test_upstream_modules_import_only_with_the_shim():
 
 
 def test_noop_when_cuda_is_available():
-    # Pretend CUDA exists: apply() must leave torch.cuda and sys.modules untouched.
+    # A CUDA run (the driver's decision, forwarded to every worker): apply() leaves torch.cuda and sys.modules
+    # untouched. tests/test_worker_hook.py covers an undecided GPU node (NVML) and that no CUDA call is made.
     code = (
-        "import sys, torch\n"
-        "torch.cuda.is_available = lambda: True\n"
+        "import os, sys, torch\n"
+        "os.environ['OPENRLHF_ESS_DEVICE'] = 'cuda'\n"
         "before = torch.cuda.set_device, torch.cuda.current_device, torch.cuda.synchronize\n"
         "from openrlhf_ess import cpu_compat\n"
         "cpu_compat.apply()\n"

@@ -33,6 +33,11 @@ def test_every_collective_of_ours_runs_on_the_collective_device(tmp_path):
         assert r["agree"] == [3, 4, 5]  # the union of what the ranks need, on both ranks
         assert r["score_forwards"] == 2  # ceil(20 / 16) forwards on both ranks, the idle one included
     assert r0["scored"] == 20 and r1["scored"] == 0
+    # the start-up self-check's probe: both collectives on the collective device, values right on both ranks
+    from openrlhf_ess.selfcheck import check_collectives
+
+    assert r0["selfcheck_collectives"] == r1["selfcheck_collectives"] == ["all_reduce", "all_gather"]
+    assert "2 actor rank(s)" in check_collectives([r0["selfcheck"], r1["selfcheck"]])
     # the ESS result is the two-rank one (same as tests/test_ess_lr_two_ranks.py): identical on both ranks
     assert r0["ess"] == r1["ess"] and 0.1 < r0["ess"]["scale"] < 0.999
 

@@ -56,10 +56,14 @@ def _argv(path):
 def test_gpu_recipe_passes_validation(script, monkeypatch):
     # Upstream's and our cross-flag checks, as on a GPU machine (CUDA faked: nothing is loaded).
     from openrlhf_ess import cpu_compat
+    from openrlhf_ess.cli import train_ppo_ray as cli
     from openrlhf_ess.cli.train_ppo_ray import parse_args
 
     monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
+    # a multi-node recipe joins its cluster, whose GPU nodes answer the probe (test_accelerator_decision.py)
+    monkeypatch.setattr(cli, "_probe_gpu_nodes", lambda address: {"gpu node": True})
     args, _ = parse_args(_argv(script))
+    assert args.ray.accelerator == "cuda"
     assert args.actor.model_name_or_path == "PLACEHOLDER"
 
 

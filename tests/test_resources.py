@@ -177,15 +177,15 @@ def test_a_three_gpu_cluster():
         resources.check(_args("--algo.advantage.estimator", "gae"), cluster, [cluster])
 
 
-def test_a_dedicated_model_bigger_than_every_node():
-    args = _args("--train.async_enable", "--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "2")
-    nodes = [{"GPU": 1, "CPU": 8}, {"GPU": 1, "CPU": 8}, {"GPU": 1, "CPU": 8}, {"GPU": 1, "CPU": 8}]
-    cluster = {"GPU": 4, "CPU": 32}
-    with pytest.raises(resources.ResourceError, match="needs 2 GPUs on one node, the largest node has 1"):
-        resources.check(args, cluster, nodes)
-    resources.check(args, cluster, [{"GPU": 2, "CPU": 16}, {"GPU": 2, "CPU": 16}])
+def test_a_dedicated_model_is_one_unsharded_gpu():
+    # Issue 20, item 5: the scorer loads one HF copy onto one device; a second GPU would be reserved and idle.
+    with pytest.raises(config.ConfigError, match=r"--algo.prox_dedicated_num_gpus 2\.0: .* not sharded"):
+        _args("--train.async_enable", "--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "2")
+    args = _args("--train.async_enable", "--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "1")
+    nodes = [{"GPU": 1, "CPU": 8}] * 3
+    resources.check(args, {"GPU": 3, "CPU": 24}, nodes)
     # the dedicated model's CPU comes after the controllers start: no extra CPU slot beyond theirs
-    assert resources.totals(resources.requests(args)) == {"GPU": 4, "CPU": 3}
+    assert resources.totals(resources.requests(args)) == {"GPU": 3, "CPU": 3}
 
 
 # ---------------------------------------------------------------------------------- placement watchdog

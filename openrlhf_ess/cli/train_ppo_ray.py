@@ -40,7 +40,10 @@ _FORWARDED_ENV = {
     "TRANSFORMERS_OFFLINE": None,
     "DS_ACCELERATOR": None,
     "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD": None,  # tests only: see trainer/ray/vllm_worker_wrap.py
+    cpu_compat.DEVICE_ENV: None,  # the run's accelerator, decided once on the driver (resolve_accelerator)
 }
+# Ray's worker set-up hook: a module that never initialises CUDA (it runs before Ray sets CUDA_VISIBLE_DEVICES).
+WORKER_SETUP_HOOK = "openrlhf_ess.worker_hook.setup_worker"
 
 
 def build_parser():
@@ -59,7 +62,8 @@ def parse_args(argv: Optional[List[str]] = None):
     flat = parser.parse_args(argv)
     config.validate_before_upstream(flat)
     args = upstream.finish_args(flat)
-    notices = config.validate(args)
+    decided = resolve_accelerator(args)
+    notices = [decided] + config.validate(args)
     return args, notices
 
 
@@ -69,25 +73,78 @@ def _runtime_env() -> dict:
         value = os.environ.get(key, default)
         if value is not None:
             env[key] = value
-    return {"env_vars": env, "worker_process_setup_hook": "openrlhf_ess.cli.train_ppo_ray.setup_worker"}
+    return {"env_vars": env, "worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
-def setup_worker() -> None:
-    """Ray's worker set-up hook: the CPU patches, and no "Exception ignored" traceback at teardown.
+def _ray_address(args) -> Optional[str]:
+    return args.ray.address or os.environ.get("RAY_ADDRESS") or None
 
-    Ray's worker SIGTERM handler raises SystemExit. At the end of a run (upstream's trainer actor going out
-    of scope, then ray.shutdown()) it can land inside a finalizer such as ``ActorHandle.__del__``, where Python
-    cannot raise it: it prints "Exception ignored in ... SystemExit: 1" with a traceback instead, and the
-    process exits all the same. Measured: 1 in ~7 async runs with two actor ranks ended with that traceback.
+
+def resolve_accelerator(args) -> str:
+    """Decide once, on the driver, whether the run uses CUDA; set ``args.ray.accelerator`` to "cuda" or "cpu".
+
+    Returns the log line that says what was decided and why. The driver's own ``torch.cuda`` is not the
+    cluster's: a CPU-only head node, or ``ray job submit`` (Ray gives the job's driver
+    ``CUDA_VISIBLE_DEVICES=""``), would make a GPU cluster run in CPU mode, rejecting every GPU recipe's
+    flags, turning NCCL into reload and giving engines a 1 GiB KV cache (issue 20, item 7). So with a cluster
+    to join, each alive node that declares GPUs runs a zero-resource probe, pinned to it, that answers
+    :func:`cpu_compat.cuda_available` there (NVML; no CUDA initialised); a private instance is this machine.
+    Raises :class:`config.ConfigError` when the GPU nodes disagree or cannot be probed.
     """
-    cpu_compat.apply()
-    previous = sys.unraisablehook
+    if args.ray.accelerator in ("cuda", "cpu"):
+        return f"accelerator: {args.ray.accelerator} (--ray.accelerator)"
+    address = _ray_address(args)
+    if not address:
+        args.ray.accelerator = "cuda" if cpu_compat.cuda_available() else "cpu"
+        where = "this machine has an NVIDIA GPU" if args.ray.accelerator == "cuda" else "this machine has no CUDA"
+        return f"accelerator: {args.ray.accelerator} ({where}; the run starts a private Ray instance here)"
+    answers = _probe_gpu_nodes(address)
+    if not answers:
+        args.ray.accelerator = "cpu"
+        return f"accelerator: cpu (the Ray cluster at {address} declares no GPU)"
+    with_cuda = sorted(node for node, cuda in answers.items() if cuda)
+    without = sorted(node for node, cuda in answers.items() if not cuda)
+    if with_cuda and without:
+        raise config.ConfigError(
+            f"the Ray cluster's GPU nodes disagree: {', '.join(with_cuda)} have an NVIDIA GPU, {', '.join(without)} "
+            "declare GPUs to Ray but have none (logical GPUs). Fix the cluster, or say which with "
+            "--ray.accelerator cuda|cpu."
+        )
+    args.ray.accelerator = "cuda" if with_cuda else "cpu"
+    if with_cuda:
+        why = f"{len(with_cuda)} GPU node(s) of the cluster at {address} have an NVIDIA GPU"
+    else:
+        why = f"the cluster at {address} declares GPUs but none of its {len(without)} GPU node(s) has CUDA"
+    return f"accelerator: {args.ray.accelerator} ({why}; decided by a probe on each node, not by this driver)"
 
-    def hook(unraisable):
-        if not isinstance(unraisable.exc_value, SystemExit):
-            previous(unraisable)
 
-    sys.unraisablehook = hook
+def _probe_gpu_nodes(address: str, timeout_s: float = 120.0) -> dict:
+    """{node IP and id: has CUDA} for every alive node of the cluster that declares GPU resources."""
+    import logging
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
+        probe = ray.remote(num_cpus=0)(cpu_compat.cuda_available)
+        refs = {
+            f"{n['NodeManagerAddress']} ({n['NodeID'][:8]})": probe.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote()
+            for n in nodes
+        }
+        try:
+            return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s)))
+        except ray.exceptions.GetTimeoutError:
+            raise config.ConfigError(
+                f"could not probe the GPU nodes of the Ray cluster at {address} within {timeout_s:.0f} s (a probe "
+                "needs no CPU or GPU, only a worker process). Check the nodes, or skip the probe with "
+                "--ray.accelerator cuda|cpu."
+            ) from None
+    finally:
+        ray.shutdown()
 
 
 def init_ray(args) -> None:
@@ -96,7 +153,7 @@ def init_ray(args) -> None:
 
     if ray.is_initialized():
         return
-    address = args.ray.address or os.environ.get("RAY_ADDRESS")
+    address = _ray_address(args)
     if address:
         # Under `ray job submit` the job may carry its own runtime env; Ray refuses to merge two that
         # share keys unless told to (the driver's values win, so our worker set-up hook is kept).
@@ -113,7 +170,7 @@ def init_ray(args) -> None:
     # Read by the raylet we start here; a cluster joined with --ray.address needs it set at `ray start`.
     os.environ.setdefault("RAY_process_group_cleanup_enabled", "true")
     num_gpus = None
-    if not cpu_compat.cuda_available():
+    if not config.on_cuda(args):
         num_gpus = args.ray.num_gpus or config.logical_gpus_needed(args)
         # The deepspeed launcher sets CUDA_VISIBLE_DEVICES=0 even without CUDA; Ray then refuses to
         # declare more logical GPUs than listed there. No CUDA device exists, so the list means nothing.
@@ -441,29 +498,35 @@ def classify_failure(exc: BaseException, args, started: bool) -> Optional[RunFai
 class _FitWatch:
     """Driver-side stand-in for a controller class (``PPOTrainer`` / ``PPOTrainerAsync``, ours or upstream's):
     sets ``started`` when upstream's train() calls ``fit.remote()`` on the controller, i.e. when training
-    begins. Everything else passes through to the real class and handle; the actor itself is untouched."""
+    begins, and runs ``before_fit(role -> actor handles)`` just before (the start-up self-checks: every model is
+    placed and loaded by then, no rollout has run). Everything else passes through to the real class and handle;
+    the actor itself is untouched."""
 
-    def __init__(self, target, started: threading.Event, is_handle: bool = False):
+    def __init__(self, target, started: threading.Event, is_handle: bool = False, before_fit=None, groups=None):
         self._target, self._started, self._is_handle = target, started, is_handle
+        self._before_fit, self._groups = before_fit, groups
 
     def remote(self, *args, **kwargs):
-        return _FitWatch(self._target.remote(*args, **kwargs), self._started, is_handle=True)
+        handle = self._target.remote(*args, **kwargs)
+        return _FitWatch(handle, self._started, True, self._before_fit, upstream.controller_groups(args))
 
     def options(self, **kwargs):
-        return _FitWatch(self._target.options(**kwargs), self._started)
+        return _FitWatch(self._target.options(**kwargs), self._started, before_fit=self._before_fit)
 
     def __getattr__(self, name):
         attr = getattr(self._target, name)
         if self._is_handle and name == "fit":
-            return _FitCall(attr, self._started)
+            return _FitCall(attr, self._started, self._before_fit, self._groups)
         return attr
 
 
 class _FitCall:
-    def __init__(self, method, started: threading.Event):
-        self._method, self._started = method, started
+    def __init__(self, method, started: threading.Event, before_fit=None, groups=None):
+        self._method, self._started, self._before_fit, self._groups = method, started, before_fit, groups
 
     def remote(self, *args, **kwargs):
+        if self._before_fit is not None:
+            self._before_fit(self._groups or {})
         self._started.set()
         return self._method.remote(*args, **kwargs)
 
@@ -472,7 +535,7 @@ def _cluster_source(args) -> str:
     """Where the cluster's numbers in a resource error come from."""
     if args.ray.address or os.environ.get("RAY_ADDRESS"):
         return "(The cluster is the one joined with --ray.address / RAY_ADDRESS.)"
-    if cpu_compat.cuda_available():
+    if config.on_cuda(args):
         return "(The cluster is this machine's GPUs and CPUs, in a private Ray instance.)"
     return (
         "(This machine has no CUDA: the private Ray instance declares --ray.num_gpus logical GPUs, by default as "
@@ -519,7 +582,17 @@ def train(args) -> None:
         if restored is not None:
             print(resume.restored_message(restored), flush=True)
     started = threading.Event()  # set when training begins: start-up failures before, "died during the run" after
-    classes.update(PPOTrainer=_FitWatch(PPOTrainer, started), PPOTrainerAsync=_FitWatch(PPOTrainerAsync, started))
+    before_fit = None
+    if args.selfcheck == "on":
+        from openrlhf_ess import selfcheck
+
+        def before_fit(groups):
+            selfcheck.run(args, groups)
+
+    classes.update(
+        PPOTrainer=_FitWatch(PPOTrainer, started, before_fit=before_fit),
+        PPOTrainerAsync=_FitWatch(PPOTrainerAsync, started, before_fit=before_fit),
+    )
     init_ray(args)
     watchdog = None
     try:
@@ -528,6 +601,10 @@ def train(args) -> None:
     except config.ConfigError:  # resources.ResourceError: nothing was placed, main() prints it
         raise
     except Exception as e:
+        from openrlhf_ess.selfcheck import SelfCheckError
+
+        if isinstance(e, SelfCheckError):  # our message names the contract and the fix
+            raise StartupFailed(str(e)) from e
         ours = classify_failure(e, args, started.is_set())
         if ours is None:
             raise
@@ -551,6 +628,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(2)
     for notice in notices:
         print(f"[openrlhf-ess] {notice}")
+    os.environ[cpu_compat.DEVICE_ENV] = args.ray.accelerator  # forwarded to every Ray worker (_runtime_env)
     try:
         train(args)
     except config.ConfigError as e:  # e.g. resources.ResourceError: found before anything was placed

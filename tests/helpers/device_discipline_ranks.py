@@ -84,6 +84,11 @@ def main():
         result["score_forwards"] = model.calls
         result["scored"] = len(scored)
         result["collectives"] = [name for name, _ in calls]
+    with strict_collectives(("openrlhf_ess", __name__)) as calls:  # the start-up self-check's collective probe
+        from openrlhf_ess.selfcheck import collective_probe
+
+        result["selfcheck"] = collective_probe()
+        result["selfcheck_collectives"] = [name for name, _ in calls]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -143,9 +143,9 @@ def install() -> None:
 
 def setup_ray_worker() -> None:
     """Ray's ``worker_process_setup_hook`` in the test run: the CLI's own hook, then the substitution."""
-    from openrlhf_ess import cpu_compat
+    from openrlhf_ess import worker_hook
 
-    cpu_compat.apply()
+    worker_hook.setup_worker()
     install()
 
 

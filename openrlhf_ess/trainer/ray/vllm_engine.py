@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import logging
+import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from openrlhf_ess import cpu_compat
@@ -80,6 +81,37 @@ def kept_counts(tokens: Sequence[int], logprobs, n_tokens: int, min_tokens: int)
         -lp[token].rank if i < min_tokens else lp[token].rank
         for i, (token, lp) in enumerate(zip(tokens[:n_tokens], logprobs[:n_tokens]))
     ]
+
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+CONTRACT_TOP_K = 3  # the start-up check's top-k: a rank-in-kept-set engine reports 1..3, a k_t engine >= 3
+
+
+class EngineContractError(RuntimeError):
+    """A GPU-path contract of the engine failed its start-up self-check (the message names contract and fix)."""
+
+
+def check_kept_count_contract(ranks: Sequence[int], top_k: int, patched_calls: Sequence[int]) -> None:
+    """Raise :class:`EngineContractError` unless the engine reported k_t >= ``top_k`` for every token of a
+    top-``top_k`` generation and the patched sampler ran in every worker (``patched_calls`` per worker)."""
+    fix = (
+        "Fix: run vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, which the engine sets for the mask unless "
+        "something overrides it) with the pinned vLLM, or run without --algo.sampling_mask."
+    )
+    if not patched_calls or min(patched_calls) == 0:
+        raise EngineContractError(
+            "start-up self-check failed (engine contract, --algo.sampling_mask keep): the kept-count sampler patch "
+            f"never ran in the engine's worker(s) (calls per worker {list(patched_calls)}), so the ranks it returns "
+            f"are vLLM's own, not the kept counts k_t the trainer needs. {fix}"
+        )
+    low = [r for r in ranks if r < top_k]
+    if not ranks or low:
+        raise EngineContractError(
+            "start-up self-check failed (engine contract, --algo.sampling_mask keep): a top-k "
+            f"{top_k} generation reported kept counts {list(ranks)}; every one must be >= {top_k} (the kept "
+            "support's size). Counts below it are ranks inside the kept set, and the trainer would renormalise "
+            f"over ~1 token. {fix}"
+        )
 
 
 def align_to_observation(
@@ -173,6 +205,12 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         self.weight_version = 0
         self._inflight: Dict[str, _Progress] = {}
         self._finished: List[_Progress] = []  # requests finished since the last outgoing_streams()
+        if report_kept_counts:
+            # vLLM 0.29 (what openrlhf[vllm]==0.11.2 installs) runs Model Runner V2 by default on GPU
+            # (config/vllm.py: use_v2_model_runner), whose sampler ignores the V1 Sampler patch that reports k_t.
+            # Set before the engine is built: the engine core and its workers inherit the environment (Ray TP
+            # workers get every VLLM_* variable). Cost: V1's runner instead of V2's, for mask runs only.
+            os.environ[V2_RUNNER_ENV] = "0"
         await super().__init__(*args, **kwargs)
         # The sync check's canary (prompt_log_probs) is no rollout: it must not be tagged, nor reported to the
         # interrupt/dedicated π_prox modes as a stream to score at the next sync.
@@ -180,6 +218,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         if report_kept_counts:
             installed = await self.llm.collective_rpc("install_kept_count_rank")
             logger.info("sampling mask: kept-count rank patch installed in %d worker(s)", sum(map(bool, installed)))
+            await self._check_kept_count_contract()
         if track_versions:
             self.executor = _VersionTaggingExecutor(self.executor, kept_counts=report_kept_counts)
             self.llm.generate = self._tracking_stream(self.llm.generate)
@@ -220,6 +259,28 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
                 calls.append((progress.token_versions(n), kept))
 
         return tracked
+
+    async def _check_kept_count_contract(self) -> None:
+        """Start-up self-check of --algo.sampling_mask keep, on the user's engine: one short top-k generation.
+
+        Whatever vLLM version or model runner the user has, the engine must report k_t (the kept support's
+        size) as the sampled token's rank: with top-k K every rank must be >= K. A runner that ignores our patch
+        (vLLM's Model Runner V2) reports the rank inside the kept set instead (1 when the argmax is sampled),
+        which the trainer would read as k_t and renormalise over ~1 token, silently. Cost: one 8-token request.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.utils import random_uuid
+
+        params = SamplingParams(max_tokens=8, temperature=1.0, top_k=CONTRACT_TOP_K, logprobs=0, ignore_eos=True)
+        final = None
+        async for output in self._untracked_generate(
+            TokensPrompt(prompt_token_ids=[1, 2, 3]), params, request_id=random_uuid()
+        ):
+            final = output
+        ranks = [step[token].rank for step, token in zip(final.outputs[0].logprobs, final.outputs[0].token_ids)]
+        calls = await self.llm.collective_rpc("kept_count_rank_calls")
+        check_kept_count_contract(ranks, CONTRACT_TOP_K, calls)
 
     async def prompt_log_probs(self, token_ids: List[int]) -> List[float]:
         """log p(token_i | tokens_<i) for i >= 1 under the engine's current weights (temperature 1).
@@ -355,7 +416,7 @@ def engine_kwargs(args) -> Dict[str, Any]:
         extra["report_kept_counts"] = True
     if args.vllm.dtype != "bfloat16":
         extra["dtype"] = args.vllm.dtype
-    if not cpu_compat.cuda_available():
+    if not config.on_cuda(args):
         # vLLM's CPU backend sizes its KV cache from this instead of gpu_memory_utilization.
         extra["kv_cache_memory_bytes"] = int(args.vllm.cpu_kv_cache_gb * (1 << 30))
     return extra

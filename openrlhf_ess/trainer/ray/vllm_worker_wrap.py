@@ -43,6 +43,7 @@ def install_kept_count_rank() -> bool:
     forward, gather = Sampler.forward, Sampler.gather_logprobs
 
     def forward_reporting_kept(self, *args, **kwargs):
+        _KEPT_RANK.calls = getattr(_KEPT_RANK, "calls", 0) + 1
         _KEPT_RANK.on = True
         try:
             return forward(self, *args, **kwargs)
@@ -64,8 +65,24 @@ def install_kept_count_rank() -> bool:
 
 class WorkerWrap(_UpstreamWorkerWrap):
     def install_kept_count_rank(self) -> bool:
-        """See :func:`install_kept_count_rank` (called on every worker through ``collective_rpc``)."""
+        """See :func:`install_kept_count_rank` (called on every worker through ``collective_rpc``).
+
+        Refuses on vLLM's Model Runner V2 (the GPU default from vLLM 0.29 when Triton is usable): its sampler
+        (``vllm/v1/worker/gpu/sample/sampler.py``) never instantiates V1's ``Sampler``, so the patch would never
+        run and ``rank`` would be the sampled token's rank inside the kept set, not k_t. The engine actor
+        asks for the V1 runner with the mask on (``vllm_engine.RolloutRayActorImpl``); this is the guard.
+        """
+        if getattr(self, "use_v2_model_runner", False):
+            raise RuntimeError(
+                "--algo.sampling_mask keep: this vLLM worker runs Model Runner V2, whose sampler the kept-count "
+                "patch cannot reach (it patches V1's Sampler). The engine sets VLLM_USE_V2_MODEL_RUNNER=0 for the "
+                "mask; something overrode it. Unset VLLM_USE_V2_MODEL_RUNNER, or run without --algo.sampling_mask."
+            )
         return install_kept_count_rank()
+
+    def kept_count_rank_calls(self) -> int:
+        """How many times the patched ``Sampler.forward`` ran in this worker (the engine's start-up check)."""
+        return getattr(_KEPT_RANK, "calls", 0)
 
     def load_weights_from_safetensors(self, blob: bytes) -> int:
         """Load every tensor in ``blob`` (safetensors bytes, HF names) into the model; return the count."""

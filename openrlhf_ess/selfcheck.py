@@ -1,0 +1,257 @@
+"""Start-up self-checks: the GPU-path contracts, proved on the user's own cluster before the first rollout.
+
+Our CI has no GPU with vLLM, Ray and DeepSpeed on it. So every contract the product relies on that only real
+hardware can break is checked where the user runs, in seconds, after the models are placed and loaded and
+before the controller's ``fit()`` (the seam is on the driver: ``cli/train_ppo_ray.py::_FitCall``). A violation
+stops the run with a message naming the contract, the observed values and the fix (``--selfcheck off`` skips
+the checks; their time is logged). docs/gpu_path.md#start-up-self-checks lists them and what each catches.
+
+- **Placement**: every rank of every trainer role (actor, reference, critic, reward model) reports its node, its
+  device (the physical GPU's UUID on CUDA; Ray's logical GPU id on CPU) and ``torch.cuda.current_device()``.
+  Two ranks of one role on one device, or two roles on one device that no ``--train.colocate_*`` flag put
+  together, stop the run with the table. Catches every actor of a node landing on GPU 0 (issue 20, item 1).
+- **Collectives**: every actor rank runs one all-reduce and one all-gather through ``openrlhf_ess/distributed.py``
+  on the real process group and checks the values and that the tensors were on the collective device.
+- **Memory**: each actor rank's free device memory (``torch.cuda.mem_get_info``) against the extra peak the
+  run's features state (docs/gpu_path.md's table, :func:`memory_needs`); a shortfall names the flag.
+- **Engine contract** (with ``--algo.sampling_mask keep``): in each engine at its start
+  (``trainer/ray/vllm_engine.py::check_kept_count_contract``).
+
+The functions ``*_report`` / ``*_probe`` run inside the Ray actors (through Ray's ``__ray_call__``, which works
+on upstream's actor classes untouched); everything else is pure and runs on the driver.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Iterable, List, Optional, Sequence
+
+ROLES = ("actor", "reference", "critic", "reward")  # upstream's RayActorGroup roles, as passed to the controller
+MiB = 1 << 20
+
+
+class SelfCheckError(RuntimeError):
+    """A start-up self-check failed: the message names the contract, what was observed and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- placement
+
+
+def placement_report(_actor=None) -> dict:
+    """In a trainer rank: where it runs. ``device`` identifies the physical device (GPU UUID on CUDA)."""
+    import os
+    import socket
+
+    import ray
+    import torch
+
+    ctx = ray.get_runtime_context()
+    ids = [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])]
+    report = {
+        "node": ctx.get_node_id()[:8],
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "ray_gpu_ids": ids,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        report["current_device"] = f"cuda:{index}"
+        report["device"] = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+    else:  # CPU runs: Ray's logical GPU is the unit of placement
+        report["current_device"] = "cpu"
+        report["device"] = f"logical GPU {','.join(ids)}" if ids else None
+    return report
+
+
+def colocated_roles(args) -> List[frozenset]:
+    """The sets of roles that the run's ``--train.colocate_*`` flags put on the same GPUs."""
+    train = args.train
+    if getattr(train, "colocate_all", False):
+        return [frozenset(ROLES)]
+    groups = []
+    if getattr(train, "colocate_actor_ref", False):
+        groups.append(frozenset({"actor", "reference"}))
+    if getattr(train, "colocate_critic_reward", False):
+        groups.append(frozenset({"critic", "reward"}))
+    return groups
+
+
+def shared_devices(reports: Dict[str, Sequence[dict]], colocated: Iterable[frozenset] = ()) -> List[str]:
+    """The placement violations in ``reports`` (role -> one report per rank): one line per shared device."""
+    colocated = list(colocated)
+    by_device: Dict[tuple, List[tuple]] = {}
+    for role, ranks in reports.items():
+        for rank, report in enumerate(ranks):
+            if report.get("device") is None:  # holds no GPU (e.g. a CPU-only helper): nothing to share
+                continue
+            by_device.setdefault((report["node"], report["device"]), []).append((role, rank, report))
+    problems = []
+    for (node, device), holders in sorted(by_device.items()):
+        roles = [role for role, _, _ in holders]
+        same_role = sorted({r for r in roles if roles.count(r) > 1})
+        distinct = frozenset(roles)
+        allowed = len(distinct) == 1 or any(distinct <= group for group in colocated)
+        if same_role or not allowed:
+            who = ", ".join(
+                f"{role} rank {rank} (pid {rep['pid']}, {rep['current_device']}, "
+                f"CUDA_VISIBLE_DEVICES={rep['cuda_visible_devices']!r})"
+                for role, rank, rep in holders
+            )
+            why = (
+                f"{len(holders)} ranks of {'/'.join(same_role)}"
+                if same_role
+                else f"roles {'/'.join(sorted(distinct))} without a --train.colocate_* flag for them"
+            )
+            problems.append(f"node {node}, {device}: {why}: {who}")
+    return problems
+
+
+def check_placement(reports: Dict[str, Sequence[dict]], args) -> str:
+    problems = shared_devices(reports, colocated_roles(args))
+    if problems:
+        raise SelfCheckError(
+            "start-up self-check failed (placement): ranks share a device that should be theirs alone:\n  "
+            + "\n  ".join(problems)
+            + "\nEvery rank of a node on one GPU means CUDA was initialised before Ray set CUDA_VISIBLE_DEVICES "
+            "(a worker set-up hook or sitecustomize calling torch.cuda, or "
+            "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES set). Fix that, or pass the --train.colocate_* flag that "
+            "asks for sharing; --selfcheck off skips this."
+        )
+    ranks = sum(len(r) for r in reports.values())
+    devices = len({(r["node"], r["device"]) for rs in reports.values() for r in rs if r.get("device")})
+    return f"placement: {ranks} trainer ranks on {devices} devices"
+
+
+# -------------------------------------------------------------------------------------------- collectives
+
+
+def collective_probe(_actor=None) -> dict:
+    """In every actor rank at once: one all-reduce and one all-gather through ``distributed.py``."""
+    import torch
+    import torch.distributed as dist
+
+    from openrlhf_ess import distributed
+
+    multi = distributed.is_multi_rank()  # one rank: the same calls, which then return the local values
+    rank, world = (dist.get_rank(), dist.get_world_size()) if multi else (0, 1)
+    maximum = distributed.all_reduce_max([float(rank), -float(rank)])
+    gathered = distributed.all_gather_rows(torch.tensor([rank], dtype=torch.int64))
+    return {
+        "rank": rank,
+        "world": world,
+        "device": str(distributed.device()),
+        "cuda": torch.cuda.is_available(),
+        "max": maximum,
+        "gathered": gathered.reshape(-1).tolist(),
+    }
+
+
+def check_collectives(results: Sequence[dict]) -> str:
+    world = results[0]["world"] if results else 0
+    problems = []
+    for r in results:
+        if r["world"] != world:
+            problems.append(f"rank {r['rank']} sees world size {r['world']}, rank 0 sees {world}")
+        if r["max"] != [float(world - 1), 0.0]:
+            problems.append(f"rank {r['rank']}: all-reduce(max) gave {r['max']}, expected {[float(world - 1), 0.0]}")
+        if r["gathered"] != list(range(world)):
+            problems.append(f"rank {r['rank']}: all-gather gave {r['gathered']}, expected {list(range(world))}")
+        if r.get("cuda") and not r["device"].startswith("cuda"):
+            problems.append(f"rank {r['rank']}: collectives on {r['device']} although CUDA is available (NCCL)")
+    if sorted(r["rank"] for r in results) != list(range(world)):
+        problems.append(f"ranks answering {sorted(r['rank'] for r in results)}, expected 0..{world - 1}")
+    if problems:
+        raise SelfCheckError(
+            "start-up self-check failed (collectives on the actor's process group):\n  "
+            + "\n  ".join(problems)
+            + "\nCheck the network between the nodes (NCCL_DEBUG=INFO shows NCCL's choice) and that every rank "
+            "runs the same build; --selfcheck off skips this."
+        )
+    return f"collectives: all-reduce + all-gather on {world} actor rank(s), device {results[0]['device']}"
+
+
+# ------------------------------------------------------------------------------------------------- memory
+
+
+def memory_probe(actor) -> dict:
+    """In an actor rank: the policy's full parameter bytes, its largest parameter, the world size, free memory."""
+    import torch
+    import torch.distributed as dist
+
+    model = getattr(actor, "actor", None)  # upstream's PolicyModelActor: the Actor module around the DS engine
+    total = largest = 0
+    if model is not None:
+        for p in model.parameters():
+            n = getattr(p, "ds_numel", p.numel()) * p.element_size()  # ZeRO-3: the full size, not the partition
+            total, largest = total + n, max(largest, n)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    report = {"model_bytes": total, "largest_param_bytes": largest, "world": world, "free": None, "total": None}
+    if torch.cuda.is_available():
+        free, device_total = torch.cuda.mem_get_info()
+        report.update(free=free, total=device_total)
+    return report
+
+
+def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int) -> Dict[str, int]:
+    """Extra device bytes per actor rank that the run's features state (docs/gpu_path.md), keyed by the flag
+    that brings (and reduces) each. Training's own memory is upstream's and DeepSpeed's, not counted here."""
+    algo, vllm = args.algo, args.vllm
+    zero3 = args.ds.zero_stage == 3
+    needs: Dict[str, int] = {}
+    if vllm.sync_check_tol > 0:  # checksums: one gathered parameter + one float64 chunk of 2^24 elements
+        needs["--vllm.sync_check_tol (0 disables the sync check)"] = largest_param_bytes + 128 * MiB
+    swap_modes = {"snapshot", "interrupt", "ewma"}
+    if algo.prox_mode in swap_modes:  # the stored partition moved to the device while the live one is kept
+        partition = model_bytes // max(world, 1) if zero3 else model_bytes
+        if algo.prox_mode == "ewma":
+            partition = partition * 4 // 2  # kept in fp32 (the table's "ewma (1, fp32)"), weights in 16 bits
+        needs[f"--algo.prox_mode {algo.prox_mode}"] = partition
+    if algo.prox_mode == "interrupt":
+        budget = getattr(algo, "prox_score_memory_mb", None)
+        if budget:
+            needs["--algo.prox_score_memory_mb"] = int(budget) * MiB
+    return needs
+
+
+def check_memory(reports: Sequence[dict], args) -> str:
+    """Refuse when a rank's free device memory is below what the run's features state they add."""
+    measured = [r for r in reports if r.get("free") is not None]
+    if not measured:
+        return "memory: not measured (no CUDA device)"
+    worst = min(measured, key=lambda r: r["free"])
+    needs = memory_needs(args, worst["model_bytes"], worst["largest_param_bytes"], worst["world"])
+    need = sum(needs.values())
+    if need > worst["free"]:
+        flag = max(needs, key=needs.get)
+        items = ", ".join(f"{k}: {v / MiB:,.0f} MiB" for k, v in sorted(needs.items(), key=lambda kv: -kv[1]))
+        raise SelfCheckError(
+            f"start-up self-check failed (memory): an actor rank has {worst['free'] / MiB:,.0f} MiB free on its GPU "
+            f"after loading, and the run's features need {need / MiB:,.0f} MiB more at their peak ({items}). "
+            f"The largest is {flag}: reduce it, add actor ranks (ZeRO-3 divides the model), or free memory "
+            "(--actor.gradient_checkpointing_enable, a smaller --train.micro_batch_size); --selfcheck off skips this."
+        )
+    return f"memory: {need / MiB:,.0f} MiB stated peak of our features <= {worst['free'] / MiB:,.0f} MiB free"
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def run(args, groups: Dict[str, Optional[list]], log=print) -> List[str]:
+    """Run every trainer-side check on the actor handles ``groups`` (role -> handles in rank order, or None).
+
+    Returns the summary lines (also logged); raises :class:`SelfCheckError` on a violation.
+    """
+    import ray
+
+    start = time.monotonic()
+    handles = {role: list(h) for role, h in groups.items() if h}
+    placement = {role: ray.get([h.__ray_call__.remote(placement_report) for h in hs]) for role, hs in handles.items()}
+    lines = [check_placement(placement, args)]
+    actor = handles.get("actor", [])
+    if actor:
+        lines.append(check_collectives(ray.get([h.__ray_call__.remote(collective_probe) for h in actor])))
+        lines.append(check_memory(ray.get([h.__ray_call__.remote(memory_probe) for h in actor]), args))
+    lines.append(f"took {time.monotonic() - start:.1f} s (--selfcheck off skips it)")
+    log("[openrlhf-ess] start-up self-check passed: " + "; ".join(lines), flush=True)
+    return lines

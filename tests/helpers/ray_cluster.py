@@ -1,0 +1,83 @@
+"""A multi-node Ray cluster on this machine, for one test: a head and worker nodes started with `ray start` on
+127.0.0.1, each with its own resources (and environment), all under one temp dir of the test's.
+
+Stopped exactly: every process whose command line names that temp dir (the raylets, GCS, workers of the cluster
+and nothing else), SIGTERM then SIGKILL, on every exit; the test fails if one survives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_naming(text: str) -> List[int]:
+    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if text in line and str(os.getpid()) != line.split()[0]]
+
+
+@contextlib.contextmanager
+def ray_cluster(head: Dict, workers: List[Dict] = (), dashboard: bool = False):
+    """Yields ``(address, dashboard_url)``. ``head`` / each worker: ``num_cpus``, ``num_gpus`` (logical) and an
+    optional ``env`` dict added to that node's environment (its raylet's, so its workers' too)."""
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    temp_dir = tempfile.mkdtemp(prefix="ray_c_", dir="/tmp")  # short: Ray's socket paths are length-limited
+    port, dash = free_port(), free_port()
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_process_group_cleanup_enabled": "true"}
+    base.pop("RAY_ADDRESS", None)
+
+    def start(node: Dict, extra: List[str]) -> None:
+        cmd = [ray_bin, "start", "--node-ip-address", "127.0.0.1", "--temp-dir", temp_dir, "--disable-usage-stats"]
+        cmd += ["--num-cpus", str(node.get("num_cpus", 2)), "--num-gpus", str(node.get("num_gpus", 0)), *extra]
+        env = {**base, **node.get("env", {})}
+        subprocess.run(cmd, check=True, capture_output=True, env=env, timeout=180)
+
+    try:
+        dash_flags = ["--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash)]
+        start(head, ["--head", "--port", str(port), *(dash_flags if dashboard else ["--include-dashboard", "false"])])
+        for worker in workers:
+            start(worker, ["--address", f"127.0.0.1:{port}"])
+        yield f"127.0.0.1:{port}", (f"http://127.0.0.1:{dash}" if dashboard else None)
+    finally:
+        stop(temp_dir)
+
+
+def stop(temp_dir: Optional[str]) -> None:
+    pids = _pids_naming(temp_dir)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+    subprocess.run(["rm", "-rf", temp_dir])
+    left = _pids_naming(temp_dir)
+    assert not left, f"processes of the test's Ray cluster survived: {left}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie of ours counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

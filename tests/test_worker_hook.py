@@ -1,0 +1,95 @@
+"""Ray's worker set-up hook never initialises CUDA (issue 20, item 1), and the run's accelerator is the
+cluster's, not the driver's (item 7).
+
+Why it matters: the hook runs in every Ray worker before Ray sets the actor's ``CUDA_VISIBLE_DEVICES``. One
+``cuInit`` there (``torch.cuda.is_available()``, or importing DeepSpeed, whose accelerator probe calls
+``device_count()`` and ``is_available()``) fixes the device list to the node's full set, and upstream's
+``set_device(0)`` then puts every actor of the node on physical GPU 0. No CPU machine can show the wrong GPU,
+so the tests below instrument every CUDA entry point of torch in a fresh process and fail on any call.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# A fresh interpreter: the CUDA entry points of torch replaced by recorders *before* our code is imported, the
+# node made to look like a GPU node (a CUDA build of torch whose NVML sees 2 GPUs), then the hook as Ray runs it.
+_HOOK_RUN = textwrap.dedent(
+    """
+    import importlib, json, sys
+    import torch
+
+    calls = []
+
+    def recorder(name, result):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return result
+        return call
+
+    for name, result in [("is_available", True), ("device_count", 2), ("init", None), ("_lazy_init", None),
+                         ("current_device", 0), ("set_device", None), ("synchronize", None),
+                         ("get_device_name", "GPU"), ("get_device_properties", None), ("mem_get_info", (0, 0))]:
+        setattr(torch.cuda, name, recorder("torch.cuda." + name, result))
+    torch._C._cuda_getDeviceCount = recorder("torch._C._cuda_getDeviceCount (cuInit)", 2)  # also: a CUDA build
+    torch._C._cuda_init = recorder("torch._C._cuda_init", None)
+    nvml = []
+    torch.cuda._raw_device_count_nvml = lambda: nvml.append(1) or 2  # NVML: no CUDA context, no device list
+
+    module, _, attr = sys.argv[1].rpartition(".")
+    getattr(importlib.import_module(module), attr)()
+    print("RESULT " + json.dumps({"calls": calls, "nvml": len(nvml),
+                                  "deepspeed": "deepspeed" in sys.modules, "openrlhf": "openrlhf" in sys.modules}))
+    """
+)
+
+
+def _run_hook(hook: str, device_env=None):
+    env = {k: v for k, v in os.environ.items() if k != "OPENRLHF_ESS_DEVICE"}
+    if device_env is not None:
+        env["OPENRLHF_ESS_DEVICE"] = device_env
+    out = subprocess.run([sys.executable, "-c", _HOOK_RUN, hook], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.mark.parametrize("device_env", [None, "cuda"], ids=["undecided-gpu-node", "decided-cuda"])
+def test_worker_hook_makes_no_cuda_call_on_a_gpu_node(device_env):
+    from openrlhf_ess.cli import train_ppo_ray
+
+    result = _run_hook(train_ppo_ray.WORKER_SETUP_HOOK, device_env)
+    assert result["calls"] == [], f"the worker hook called CUDA before Ray set CUDA_VISIBLE_DEVICES: {result}"
+    # and it loaded nothing that would on the actor's first import before placement
+    assert not result["deepspeed"] and not result["openrlhf"], result
+    if device_env is None:
+        assert result["nvml"] >= 1  # the GPU node was recognised through NVML, not the CUDA runtime
+
+
+def test_worker_hook_applies_the_cpu_patches_on_a_cpu_run():
+    # The same hook on a CPU run: the patches are in place (the CPU path still works).
+    code = textwrap.dedent(
+        """
+        import os, torch
+        os.environ["OPENRLHF_ESS_DEVICE"] = "cpu"
+        from openrlhf_ess import worker_hook
+        worker_hook.setup_worker()
+        print("PATCHED", getattr(torch.cuda.set_device, "__openrlhf_ess_patch__", False))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "PATCHED True" in out.stdout, out.stderr[-3000:]
+
+
+def test_cuda_available_reads_the_decision_first(monkeypatch):
+    from openrlhf_ess import cpu_compat
+
+    monkeypatch.setattr(cpu_compat, "node_has_cuda", lambda: pytest.fail("the decision was not read"))
+    monkeypatch.setenv(cpu_compat.DEVICE_ENV, "cuda")
+    assert cpu_compat.cuda_available() is True
+    monkeypatch.setenv(cpu_compat.DEVICE_ENV, "cpu")
+    assert cpu_compat.cuda_available() is False
