@@ -64,9 +64,15 @@ def test_no_truncation_sentinels_and_forced_token():
     )
 
 
-def test_ties_at_the_kth_value_are_kept():
+def test_ties_at_the_kth_value_are_trimmed_to_exactly_k_as_vllms_triton_kernel():
+    # issue 20, item 3: vLLM's Triton top-k/top-p (CUDA, batches >= 8) keeps exactly k, tied boundary values in
+    # vocabulary order; its PyTorch path keeps every tie and counts it in k_t (here: k_t = 3 keeps all three)
     logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
-    assert support_mask(logits, torch.tensor([2])).tolist() == [[True, True, True, False]]
+    assert support_mask(logits, torch.tensor([2])).tolist() == [[True, True, False, False]]
+    assert support_mask(logits, torch.tensor([3])).tolist() == [[True, True, True, False]]
+    # Z counts one of the two tied tokens either way: log π̃(token 2) = 1 − log(e³ + e), not 1 − log(e³ + 2e)
+    expected = 1 - math.log(math.e**3 + math.e)
+    assert masked_log_probs(logits, torch.tensor([2]), torch.tensor([2])).item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_against_independent_masking_random():
@@ -182,3 +188,260 @@ def test_real_engine_top_k_support_from_rank_patch(tiny_world, tmp_path):
     assert {k for row in data["rows"] for k in row["k_rank"]} == {5}
     min_gap, kept = _check_against_hf(tiny_world, data, "k_rank")
     assert kept.max().item() < 0.999 and min_gap > 1e-3
+
+
+# ---- the trainer's truncated log-probs (truncated_log_probs: one autograd function over every row) ----------------
+
+
+def _sorted_reference(z: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor, stop_ids=()):
+    """Independent of the code under test: per row, sort the allowed tokens (stop ids removed where k < 0) by
+    (logit descending, id ascending), S = the first |k| (exactly |k| tokens, ties trimmed in vocabulary order as
+    vLLM's Triton kernel does; every allowed token if |k| >= their number; the whole row if k = 0) plus the sampled
+    token when its logit is below the |k|-th value (a token tied with it was kept by the engine in its place: equal
+    values, same Z). Returns (log-prob over S, log Z = log Σ_S softmax(z), support)."""
+    n, vocab = z.shape
+    support = torch.zeros(n, vocab, dtype=torch.bool)
+    for i in range(n):
+        k = int(kept[i])
+        allowed = [a for a in range(vocab) if not (k < 0 and a in stop_ids)]
+        y = int(tokens[i])
+        if k == 0 or abs(k) >= len(allowed):
+            chosen = list(range(vocab)) if k == 0 else allowed
+            chosen = chosen + [y]
+        else:
+            ranked = sorted(allowed, key=lambda a: (-z[i, a].item(), a))
+            chosen = ranked[: abs(k)]
+            if y not in chosen and z[i, y].item() < z[i, ranked[abs(k) - 1]].item():
+                chosen = chosen + [y]
+            elif y not in chosen and (k > 0 or y not in stop_ids):  # tied with the |k|-th: swap in, same Z
+                chosen = chosen[:-1] + [y] if z[i, chosen[-1]].item() == z[i, y].item() else chosen + [y]
+            elif y not in chosen:  # a banned stop token sampled anyway: kept
+                chosen = chosen + [y]
+        support[i, chosen] = True
+    kept_lse = z.masked_fill(~support, float("-inf")).logsumexp(-1)
+    picked = z.gather(-1, tokens[:, None])[:, 0]
+    return picked - kept_lse, kept_lse - z.logsumexp(-1), support
+
+
+def _path_batch(vocab, low, high, n=48, seed=0, dtype=torch.float64):
+    """Rows for one k-range: ties (bf16-rounded and constant rows), banned rows, sampled tokens outside the
+    support, and the sentinels (0, V, -V, -(V - 1), V + 3)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, vocab, generator=g, dtype=dtype) * 3
+    z[: n // 3] = z[: n // 3].to(torch.bfloat16).to(dtype)  # many exact ties, also at τ
+    z[n // 3] = 0.5  # a constant row: every token tied
+    kept = torch.randint(low, high + 1, (n,), generator=g)
+    kept = torch.where(torch.rand(n, generator=g) < 0.3, -kept, kept)
+    kept[-5:] = torch.tensor([0, vocab, -vocab, -(vocab - 1), vocab + 3])
+    order = z.argsort(-1, descending=True)
+    # half the rows sample a token far outside the top-|k| (a boundary swap in the engine), the rest inside it
+    rank = torch.where(torch.rand(n, generator=g) < 0.5, vocab - 1, 0)
+    tokens = order.gather(-1, rank[:, None])[:, 0]
+    tokens[:4] = 3  # a banned stop token sampled anyway: kept
+    return z, tokens, kept
+
+
+PATHS = {  # path: (V, k range, constants) such that the k-th-value search takes that path
+    "blocks": (2048, (1, 40), {"OVERSAMPLE": 4, "MIN_BLOCK": 8}),
+    "bound": (2048, (50, 200), {}),
+    "direct": (2048, (300, 2000), {}),
+}
+
+
+def _spy_paths(monkeypatch):
+    """Count the calls of each k-th-value search path."""
+    from openrlhf_ess.models import sampling_mask as maths
+
+    calls = {}
+    for name in ("_kth_by_blocks", "_kth_by_bound", "_kth_direct"):
+        real = getattr(maths, name)
+
+        def spy(*args, _real=real, _name=name):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args)
+
+        monkeypatch.setattr(maths, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_truncated_log_probs_matches_sorted_reference(monkeypatch, path):
+    from openrlhf_ess.models import sampling_mask as maths
+
+    vocab, (low, high), constants = PATHS[path]
+    for name, value in constants.items():
+        monkeypatch.setattr(maths, name, value)
+    monkeypatch.setattr(maths, "CHUNK_ROWS", 16)  # several chunks, the last one partial
+    calls = _spy_paths(monkeypatch)
+    stops = (3, 7, vocab - 1)
+    z, tokens, kept = _path_batch(vocab, low, high)
+    log_probs, log_z, selected = maths.truncated_log_probs(z, tokens, kept, stops)
+    expected, expected_lz, _ = _sorted_reference(z, tokens, kept, stops)
+    assert calls.get(f"_kth_{'by_' if path != 'direct' else ''}{path}", 0) > 0, calls
+    assert torch.allclose(log_probs, expected, rtol=0, atol=1e-10)
+    assert torch.equal(selected, kept != 0) and torch.allclose(log_z, expected_lz[selected].float(), atol=1e-6)
+    # the batch does exercise the rules: truncated rows, forced tokens, ties at τ, a constant row
+    assert (expected_lz[kept != 0] < -1e-3).sum() > 10
+    assert log_probs[16].item() == pytest.approx(expected[16].item(), abs=1e-12)
+    # apply_to_log_probs (full log-probs from the caller) gives the same rows
+    full = z.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    out, lz2, _ = maths.apply_to_log_probs(z, tokens, full, kept, stops)
+    assert torch.allclose(out, torch.where(kept != 0, expected, full), rtol=0, atol=1e-10)
+    assert torch.allclose(lz2, log_z, atol=1e-6)
+
+
+def test_truncated_log_probs_hand_numbers_and_ties():
+    from openrlhf_ess.models import sampling_mask as maths
+
+    # top-2 of [2, 1, 0, -1, -2]: token 1 -> 1 - logsumexp(2, 1) = -1.3133, log Z = -0.1387 (first test above);
+    # k = 0 is the plain log-softmax, log 0.2341 = -1.4519; k = -2 with stop 0 banned keeps {1, 2}: 1 - log(e + 1)
+    logits = LOGITS5.expand(3, 5).clone()
+    lp, lz, sel = maths.truncated_log_probs(logits, torch.tensor([1, 1, 1]), torch.tensor([2, 0, -2]), (0,))
+    assert lp.tolist() == pytest.approx([-1.3133, -1.4519, 1 - math.log(math.e + 1)], abs=1e-4)
+    assert sel.tolist() == [True, False, True] and lz[0].item() == pytest.approx(-0.1387, abs=1e-4)
+    # exactly k tokens (issue 20, item 3): [3, 1, 1, 0] top-2 counts one of the tied 1s, whichever was sampled;
+    # a constant row with k = 1 keeps the sampled token alone
+    tied = torch.tensor([[3.0, 1.0, 1.0, 0.0], [0.5, 0.5, 0.5, 0.5]])
+    lp, _, _ = maths.truncated_log_probs(tied, torch.tensor([2, 2]), torch.tensor([2, 1]))
+    assert lp.tolist() == pytest.approx([1 - math.log(math.e**3 + math.e), 0.0], abs=1e-6)
+
+
+@pytest.mark.parametrize("path", ["blocks", "bound", "direct"])
+def test_truncated_log_probs_gradcheck(monkeypatch, path):
+    """torch.autograd.gradcheck (float64, finite differences) of the custom backward, on each search path."""
+    from openrlhf_ess.models import sampling_mask as maths
+
+    vocab = 64
+    constants, (low, high) = {
+        "blocks": ({"OVERSAMPLE": 2, "MIN_BLOCK": 2}, (1, 6)),
+        "bound": ({}, (1, 6)),
+        "direct": ({}, (9, 63)),
+    }[path]
+    for name, value in constants.items():
+        monkeypatch.setattr(maths, name, value)
+    monkeypatch.setattr(maths, "CHUNK_ROWS", 4)
+    calls = _spy_paths(monkeypatch)
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(10, vocab, generator=g, dtype=torch.float64) * 2  # distinct values: gaps >> gradcheck's eps
+    kept = torch.randint(low, high + 1, (10,), generator=g) * torch.tensor([1, -1] * 5)
+    kept[0] = 0
+    tokens = torch.randint(0, vocab, (10,), generator=g)
+    tokens[1] = 3  # a banned stop sampled: forced into the support
+    z.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: maths.truncated_log_probs(x, tokens, kept, (3, 5))[0], (z,))
+    assert calls.get(f"_kth_{'by_' if path != 'direct' else ''}{path}", 0) > 0, calls
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_truncated_log_probs_gradient_equals_masked_log_softmax(monkeypatch, path):
+    """The custom backward against autograd through a plain masked log_softmax on the reference support."""
+    from openrlhf_ess.models import sampling_mask as maths
+
+    vocab, (low, high), constants = PATHS[path]
+    for name, value in constants.items():
+        monkeypatch.setattr(maths, name, value)
+    monkeypatch.setattr(maths, "CHUNK_ROWS", 16)
+    z, tokens, kept = _path_batch(vocab, low, high, seed=1)
+    weight = _tie_weights(z, tokens, kept, (3, 7, vocab - 1))
+    w = torch.randn(z.shape[0], generator=torch.Generator().manual_seed(2), dtype=z.dtype)
+    xa, xb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    (maths.truncated_log_probs(xa, tokens, kept, (3, 7, vocab - 1))[0] * w).sum().backward()
+    plain = (xb + weight.log()).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]  # log 0 = -inf: off the support
+    (plain * w).sum().backward()
+    assert torch.allclose(xa.grad, xb.grad, rtol=0, atol=1e-12)
+    assert (xa.grad[weight == 0] == 0).all()  # nothing flows to tokens outside the support
+    assert ((weight > 0) & (weight < 1)).any()  # the batch has ties at τ that share the k_t slots
+
+
+def _tie_weights(z, tokens, kept, stop_ids):
+    """Independent: the smooth function that equals log π̃ and whose gradient the backward must give: Z = Σ_{a > τ}
+    e^{z_a} + (n/m)·Σ_{a = τ} e^{z_a} (m tokens tied at τ, n = |k| − #(> τ) of them kept: equal values, so the
+    same Z), + e^{z_y} for a sampled token below τ. Returns the [N, V] weights 1 / (n/m) / 0 of each e^{z_a}."""
+    n_rows, vocab = z.shape
+    weight = torch.zeros_like(z)
+    for i in range(n_rows):
+        k, y = int(kept[i]), int(tokens[i])
+        allowed = [a for a in range(vocab) if not (k < 0 and a in stop_ids)]
+        if k == 0 or abs(k) >= len(allowed):
+            weight[i, list(range(vocab)) if k == 0 else allowed] = 1.0
+        else:
+            tau = sorted((z[i, a].item() for a in allowed), reverse=True)[abs(k) - 1]
+            above = [a for a in allowed if z[i, a].item() > tau]
+            tied = [a for a in allowed if z[i, a].item() == tau]
+            weight[i, above] = 1.0
+            weight[i, tied] = (abs(k) - len(above)) / len(tied)
+        if weight[i, y] == 0:
+            weight[i, y] = 1.0
+    return weight
+
+
+def test_unmasked_rows_are_upstream_bit_for_bit(monkeypatch):
+    """k_t = 0 rows: the value and the gradient are upstream's ``log_probs_from_logits`` (fp32, no flash-attn) bit for
+    bit, across upstream's 1024-row logsumexp chunks and our backward chunks; the masked rows differ."""
+    from openrlhf_ess import cpu_compat
+
+    cpu_compat.apply()
+    from openrlhf.models.utils import log_probs_from_logits
+
+    from openrlhf_ess.models import sampling_mask as maths
+
+    monkeypatch.setattr(maths, "CHUNK_ROWS", 100)
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(2, 600, 257, generator=g) * 4  # 1,200 rows: two upstream chunks
+    tokens = torch.randint(0, 257, (2, 600), generator=g)
+    kept = torch.randint(1, 40, (2, 600), generator=g)
+    kept[:, :250] = 0  # "prompt" rows
+    kept[1, 300:320] = 0
+    w = torch.randn(2, 600, generator=g)
+    xa, xb = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    ours, _, selected = maths.truncated_log_probs(xa, tokens, kept, (2,))
+    theirs = log_probs_from_logits(xb, tokens)
+    (ours * w).sum().backward()
+    (theirs * w).sum().backward()
+    full = ~selected
+    assert torch.equal(ours[full], theirs[full]) and torch.equal(xa.grad[full], xb.grad[full])
+    assert (ours[selected] - theirs[selected]).abs().min() > 0
+
+
+def test_installed_actor_backward_matches_plain_masked_log_softmax(tiny_world):
+    """The seam under autograd (training step): an upstream ``Actor`` (fp32, T = 0.7) installed with our
+    ``log_probs_from_logits``, inside ``applied``: its action log-probs and the gradient of a weighted sum of them
+    w.r.t. every weight equal those of the plain formula (the model's logits / T, masked log_softmax over the
+    sorted reference support, gather) computed with autograd."""
+    from openrlhf_ess import cpu_compat
+
+    cpu_compat.apply()
+    from openrlhf.models.actor import Actor
+
+    from openrlhf_ess.trainer import sampling_mask
+
+    torch.manual_seed(0)
+    actor = Actor(tiny_world["model"], attn_implementation="sdpa", param_dtype="fp32", temperature=0.7)
+    sampling_mask.install(actor)
+    g = torch.Generator().manual_seed(5)
+    vocab = actor.model.config.vocab_size
+    seqs = torch.randint(4, vocab, (2, 12), generator=g)
+    attn = torch.ones_like(seqs)
+    attn[1, :3] = 0
+    action_mask = torch.ones(2, 5)
+    kept = torch.tensor([[-4, 7, 0, 30, 2], [1, 12, 12, 0, vocab]])
+    w = torch.randn(2, 5, generator=g)
+    with sampling_mask.applied(kept, seqs, attn, stop_ids=(2,)):
+        ours = actor(seqs, action_mask, attn)
+    (ours * w).sum().backward()
+    ours_grads = {n: p.grad.clone() for n, p in actor.named_parameters() if p.grad is not None}
+    actor.zero_grad()
+
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    logits = actor.model(seqs, attention_mask=attn, position_ids=pos).logits.float() / 0.7
+    z = logits[:, -6:-1].reshape(10, vocab)  # the positions that predict the 5 action tokens
+    tokens = seqs[:, -5:].reshape(10)
+    _, _, support = _sorted_reference(z.detach().double(), tokens, kept.reshape(10), (2,))
+    plain = z.masked_fill(~support, float("-inf")).log_softmax(-1).gather(-1, tokens[:, None]).view(2, 5)
+    (plain * w).sum().backward()
+    assert torch.allclose(ours, plain, atol=1e-5)
+    full = z.detach().log_softmax(-1).gather(-1, tokens[:, None]).view(2, 5)
+    assert (ours.detach() - full).abs().max() > 1e-3  # the mask changed the numbers: the check could fail
+    assert ours_grads.keys() == {n for n, p in actor.named_parameters() if p.grad is not None}
+    for name, p in actor.named_parameters():
+        assert torch.allclose(ours_grads[name], p.grad, atol=1e-5, rtol=1e-4), name

@@ -95,11 +95,15 @@ def to_label_layout(per_token: torch.Tensor, labels: torch.Tensor, attention_mas
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Upstream's ``log_probs_from_logits``; inside :func:`applied`, with the truncated rows renormalised."""
-    log_probs = upstream.upstream_log_probs_from_logits()(logits, labels, temperature)
+    """Upstream's ``log_probs_from_logits``; inside :func:`applied`, with the truncated rows renormalised.
+
+    Inside, upstream's function is not called: ``maths.truncated_log_probs`` computes every row (upstream's value,
+    bit for bit, where k_t = 0) in one autograd function, so the backward holds one logits-sized gradient, as
+    upstream's own path does.
+    """
     active = _ACTIVE.get()
     if active is None:
-        return log_probs
+        return upstream.upstream_log_probs_from_logits()(logits, labels, temperature)
     # the labels are the sequences in the layout we rebuild for the counts: check it, do not assume it
     expected = to_label_layout(active.sequences, labels, active.attention_mask).to(labels.device)
     if not torch.equal(expected, labels):
@@ -107,11 +111,13 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
             "sampling mask: the actor's label layout is not the one the kept counts were placed in (upstream's "
             "Actor.forward changed?); refusing to mask the wrong tokens."
         )
+    if temperature != 1.0:
+        logits.div_(temperature)  # as upstream's function does (upstream's Actor passes 1: its logits are scaled)
     kept = to_label_layout(active.kept_by_token, labels, active.attention_mask).to(labels.device)
-    out, log_z, _ = maths.apply_to_log_probs(logits, labels, log_probs, kept, active.stop_ids)
+    log_probs, log_z, _ = maths.truncated_log_probs(logits, labels, kept, active.stop_ids)
     active.log_z_sum = active.log_z_sum + log_z.sum()
     active.tokens += log_z.numel()
-    return out
+    return log_probs
 
 
 @contextlib.contextmanager
