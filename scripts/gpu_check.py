@@ -1,4 +1,4 @@
-"""The checks of ``scripts/gpu_check.sh`` (issue 12): what one CUDA machine can tell us, each PASS / FAIL / SKIP.
+"""The checks of ``scripts/gpu_check.sh`` (issues 12, 20): what one CUDA machine can tell us, each PASS / FAIL / SKIP.
 
     python scripts/gpu_check.py                      # CUDA (NCCL); fails at once if there is no CUDA device
     python scripts/gpu_check.py --device cpu         # the same checks on the host (gloo), for CI
@@ -11,7 +11,14 @@
 3. ZeRO-3 (world size 1): ``WeightSync.trainer_checksums`` / ``synced_state`` gather one parameter at a time,
    as ZeRO-3's parameter status and as device memory, against a whole-model gather (the control);
 4. the DeepSpeed actor with ESS-LR (and with the k2 KL loss) on ``tests/helpers/ess_ds.py``'s fixed rollouts,
-   whose LR scale is known by hand (rho = 9/13, scale = sqrt(9/13)).
+   whose LR scale is known by hand (rho = 9/13, scale = sqrt(9/13));
+5. the start-up self-check's placement (``selfcheck.check_placement``) on the reports of ranks started here, rank
+   r on GPU r (passes), and every rank on GPU 0, the defect of issue 20 (must be refused);
+6. ``selfcheck.collective_probe`` on every rank of a real process group, ``check_collectives`` on the results;
+7. the memory self-check (``memory_needs`` / ``check_memory``) on a stated 7B case against the arithmetic, with
+   this GPU's ``torch.cuda.mem_get_info``;
+8. the sampling mask's log-probs and backward (``apply_to_log_probs``, ``masked_log_probs``) and chunked scoring
+   (``prox.stream_log_probs``) at V = 151,936: float64 references, and peak device memory against stated bounds.
 
 Each check runs in its own subprocess (one process group each; a crash or a hang costs that check only) under
 an overall time budget. The report is printed at the end and written as JSON to ``$OUT/gpu_check.json`` (else
@@ -46,13 +53,24 @@ sys.path[:] = [REPO] + [p for p in sys.path if os.path.abspath(p or ".") != REPO
 SCHEMA = 1
 STATUSES = ("PASS", "FAIL", "SKIP")
 # worker key -> (check number, timeout in seconds)
-WORKERS = {"1": ("1", 240), "2": ("2", 240), "3": ("3", 300), "4a": ("4", 300), "4b": ("4", 300)}
+WORKERS = {
+    "1": ("1", 240),
+    "2": ("2", 240),
+    "3": ("3", 300),
+    "4a": ("4", 300),
+    "4b": ("4", 300),
+    "5": ("5", 300),
+    "6": ("6", 180),
+    "7": ("7", 120),
+    "8": ("8", 300),
+}
 SLACK_BYTES = 256 << 10  # reduction outputs and allocator rounding on top of a memory bound
 FORCED_MULTI_RANK = (
     "openrlhf_ess.distributed.is_multi_rank forced to True: one GPU can host one NCCL rank only, so the "
     "multi-rank code path runs on a world of one"
 )
 LOG_SEPARATOR = "=" * 100
+ALL_CHECKS = ",".join(dict.fromkeys(num for num, _ in WORKERS.values()))
 
 
 class Skip(Exception):
@@ -957,6 +975,829 @@ def worker_ess_ds(rec: Recorder, args, k2: bool) -> None:
         )
 
 
+# ---- checks 5 and 6: the start-up self-checks' placement and collectives, on ranks started here -------------
+
+RANK_GRACE_S = 20  # after one rank fails, how long the others get to finish (or fail) before they are killed
+NO_COLOCATE = types.SimpleNamespace(
+    train=types.SimpleNamespace(colocate_all=False, colocate_actor_ref=False, colocate_critic_reward=False)
+)
+
+
+def world_for(args) -> int:
+    """Ranks for checks 5 and 6: --ranks, else one per GPU (at most 8) on CUDA, 2 on the CPU."""
+    if args.ranks:
+        return args.ranks
+    if args.device == "cpu":
+        return 2
+    import torch
+
+    return min(torch.cuda.device_count(), 8)
+
+
+def launch_ranks(args, task: str, world: int, options: dict, timeout: float) -> List[dict]:
+    """``world`` processes of this script (``--rank-task task``), as a launcher starts a job's ranks: RANK,
+    WORLD_SIZE, MASTER_ADDR/PORT set, one result file each. A rank that fails gives the others RANK_GRACE_S, then
+    they are killed (a rank waiting in a collective for a dead peer would hang). Their output goes to this worker's
+    (the log). Returns one ``{rank, rc, timed_out, result}`` per rank (``result``: its file, or None)."""
+    port, procs, t0 = free_port(), [], time.time()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env["WORLD_SIZE"] = str(world)
+    for rank in range(world):
+        result = tempfile.NamedTemporaryFile(prefix=f"gpu_check_{task}_{rank}_", suffix=".json", delete=False).name
+        cmd = [sys.executable, os.path.abspath(__file__), "--rank-task", task, "--rank", str(rank), "--result", result]
+        cmd += ["--device", args.device, "--rank-options", json.dumps(options)]
+        cmd += ["--without", ",".join(args.without)] if args.without else []
+        out = tempfile.TemporaryFile("w+")
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        proc = subprocess.Popen(cmd, cwd=REPO, env=rank_env, stdout=out, stderr=subprocess.STDOUT)
+        procs.append((rank, proc, out, result))
+    failed_at, timed_out = None, False
+    while any(p.poll() is None for _, p, _, _ in procs):
+        now = time.time()
+        if failed_at is None and any(p.poll() not in (None, 0) for _, p, _, _ in procs):
+            failed_at = now
+        if now - t0 > timeout or (failed_at is not None and now - failed_at > RANK_GRACE_S):
+            timed_out = now - t0 > timeout
+            for _, p, _, _ in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.1)
+    runs = []
+    for rank, p, out, result in procs:
+        rc = p.wait()
+        out.seek(0)
+        text = out.read()
+        out.close()
+        print(f"---- {task} rank {rank}/{world} (rc {rc}) ----\n{text}", flush=True)
+        got = None
+        with contextlib.suppress(OSError, ValueError):
+            with open(result) as f:
+                got = json.load(f)
+        with contextlib.suppress(OSError):
+            os.unlink(result)
+        lines = [line for line in text.splitlines() if line.strip()]
+        runs.append(dict(rank=rank, rc=rc, timed_out=timed_out, result=got, last_line=lines[-1] if lines else ""))
+    return runs
+
+
+def ranks_ok(runs: List[dict], what: str) -> List[dict]:
+    """The ranks' results, or an error naming the ranks that failed (the check's FAIL)."""
+    bad = [r for r in runs if r["rc"] != 0 or r["result"] is None]
+    if bad:
+        why = "; ".join(
+            f"rank {r['rank']}: " + ("timed out" if r["timed_out"] else f"exit code {r['rc']}") + f": {r['last_line']}"
+            for r in bad
+        )
+        raise RuntimeError(f"{what}: {len(bad)} of {len(runs)} ranks failed ({why}); their output is in the log")
+    return [r["result"] for r in runs]
+
+
+def _rank_init(args, options: dict):
+    """In a rank: its device set as a correctly placed run sets it (rank r on GPU r; ``options["gpu"] == "zero"``:
+    GPU 0, the defect), and the process group if ``options["backend"]``. Returns (rank, world, torch.device)."""
+    import torch
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", 0 if options.get("gpu") == "zero" else rank)
+        torch.cuda.set_device(device)
+    backend = options.get("backend")
+    if backend:
+        import datetime
+
+        import torch.distributed as dist
+
+        kwargs = {"device_id": device} if backend == "nccl" else {}  # NCCL: the communicator bound to this GPU
+        dist.init_process_group(
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120), **kwargs
+        )
+    return rank, world, device
+
+
+def _rank_done(options: dict) -> None:
+    if options.get("backend"):
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def rank_placement(args, options: dict) -> dict:
+    """A rank's placement report, as ``selfcheck.placement_report`` builds it inside a Ray actor, without Ray:
+    node = the host name, device = the physical GPU's UUID (CPU: a per-rank fake id, "rank 0's" for the control),
+    pid, current_device. With a process group, the reports are also all-gathered over it."""
+    import socket
+
+    import torch
+
+    rank, world, device = _rank_init(args, options)
+    report = {
+        "node": socket.gethostname(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "rank": rank,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+    if args.device == "cuda":
+        index = torch.cuda.current_device()
+        report["current_device"] = f"cuda:{index}"
+        report["device"] = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+    else:
+        report["current_device"] = "cpu"
+        report["device"] = f"CPU-FAKE-{0 if options.get('gpu') == 'zero' else rank}"
+    out = {"report": report, "gathered": None, "backend": options.get("backend")}
+    if options.get("backend"):
+        import torch.distributed as dist
+
+        gathered = [None] * world
+        dist.all_gather_object(gathered, report)
+        out["gathered"] = gathered
+    _rank_done(options)
+    return out
+
+
+def rank_collectives(args, options: dict) -> dict:
+    """``selfcheck.collective_probe()`` on this rank of the real process group, its collectives recorded; the
+    probes all-gathered over the same group (the driver's ray.get in the real check)."""
+    import torch.distributed as dist
+
+    from openrlhf_ess import distributed, selfcheck
+
+    rank, world, device = _rank_init(args, options)
+    forced = world == 1
+    if forced:  # one GPU: a world of one, as check 1 runs it
+        distributed.is_multi_rank = lambda: True
+    with CollectiveLog() as log:
+        probe = selfcheck.collective_probe()
+        calls = log.take()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, probe)
+    _rank_done(options)
+    return {
+        "probe": probe,
+        "calls": calls,
+        "gathered": gathered,
+        "forced_multi_rank": forced,
+        "backend": options["backend"],
+        "rank_device": str(device),
+        "collective_device": str(distributed.device()),
+    }
+
+
+RANK_TASKS = {"placement": rank_placement, "collectives": rank_collectives}
+
+
+def run_rank(args) -> int:
+    hide_modules(args.without)
+    result = RANK_TASKS[args.rank_task](args, json.loads(args.rank_options or "{}"))
+    with open(args.result, "w") as f:
+        json.dump(result, f, default=str)
+    return 0
+
+
+def worker_placement(rec: Recorder, args) -> None:
+    from openrlhf_ess import selfcheck
+
+    cuda = args.device == "cuda"
+    world = world_for(args)
+    backend = "nccl" if cuda else "gloo"
+    fake = "CPU: the device ids are per-rank fakes (CPU-FAKE-r); what runs for real is the launch, the gather and "
+    fake += "check_placement's verdict"
+
+    def table(reports):
+        return [{k: r.get(k) for k in ("rank", "node", "pid", "device", "current_device")} for r in reports]
+
+    with rec.check("5.placement", "selfcheck.check_placement on the reports of N ranks, rank r on GPU r") as e:
+        e["notes"].append(
+            "the script's own report (selfcheck.placement_report needs Ray's runtime context): node = "
+            "host name, device = GPU UUID (torch.cuda.get_device_properties(i).uuid), pid, current_device"
+        )
+        e["notes"] += [] if cuda else [fake]
+        if world < 2:
+            raise Skip(
+                f"{world} GPU: a correct placement of several ranks needs as many GPUs (the negative control "
+                "5.placement_control runs regardless)"
+            )
+        runs = ranks_ok(launch_ranks(args, "placement", world, {"backend": backend}, 150), "placement ranks")
+        reports = [r["report"] for r in runs]
+        gathered = runs[0]["gathered"]
+        e["numbers"].update(world=world, backend=backend, reports=table(reports))
+        expect(
+            e,
+            all(r["gathered"] == reports for r in runs),
+            "the reports all-gathered over the group differ from the ranks' own",
+        )
+        want = [f"cuda:{r}" if cuda else "cpu" for r in range(world)]
+        got = [r["current_device"] for r in reports]
+        expect(e, got == want, f"current devices {got}, expected {want}")
+        expect(e, len({r["pid"] for r in reports}) == world, "ranks share a pid")
+        expect(e, len({r["device"] for r in reports}) == world, f"devices not distinct: {table(reports)}")
+        verdict = selfcheck.check_placement({"actor": gathered}, NO_COLOCATE)  # SelfCheckError: the FAIL
+        e["numbers"]["verdict"] = verdict
+        e["summary"] = f"{backend}, {world} ranks: '{verdict}' (rank r on {'cuda:r' if cuda else 'fake id r'})"
+
+    with rec.check(
+        "5.placement_control", "negative control: every rank on device 0 (the GPU-0 defect) is refused"
+    ) as e:
+        n = max(world, 2)
+        e["notes"].append(
+            f"{n} processes, each on device 0 (torch.cuda.set_device(0)), as every rank of a node was after CUDA was "
+            "initialised before Ray set CUDA_VISIBLE_DEVICES; their reports come back through files, as the real "
+            "check's come back through Ray (NCCL refuses two ranks on one GPU, so no process group)"
+        )
+        e["notes"] += [] if cuda else [fake]
+        runs = ranks_ok(launch_ranks(args, "placement", n, {"gpu": "zero"}, 120), "control ranks")
+        reports = [r["report"] for r in runs]
+        e["numbers"].update(world=n, reports=table(reports))
+        devices = {r["device"] for r in reports}
+        expect(e, len(devices) == 1, f"the ranks report {len(devices)} devices, expected one")
+        try:
+            verdict, raised = selfcheck.check_placement({"actor": reports}, NO_COLOCATE), None
+        except selfcheck.SelfCheckError as err:
+            verdict, raised = None, str(err)
+        e["numbers"].update(error=raised, verdict=verdict)
+        expect(e, raised is not None, f"check_placement accepted {n} ranks on one device: {verdict}")
+        if raised:
+            device = reports[0]["device"]
+            expect(e, f"{device}: {n} ranks of actor" in raised, f"the error does not name {device} and {n} ranks")
+            e["summary"] = f"SelfCheckError: {raised.splitlines()[1].strip()[:200]}"
+
+
+def worker_selfcheck_collectives(rec: Recorder, args) -> None:
+    import copy
+
+    from openrlhf_ess import selfcheck
+
+    cuda = args.device == "cuda"
+    world = world_for(args)
+    backend = "nccl" if cuda else "gloo"
+    with rec.check(
+        "6.collectives", "selfcheck.collective_probe on every rank of the real group, check_collectives"
+    ) as e:
+        if world < 1:
+            raise Skip("no CUDA device")
+        if world == 1:
+            e["notes"].append(FORCED_MULTI_RANK)
+        runs = ranks_ok(launch_ranks(args, "collectives", world, {"backend": backend}, 150), "collective ranks")
+        probes = runs[0]["gathered"]
+        e["numbers"].update(
+            world=world,
+            backend=backend,
+            probes=probes,
+            collectives={r["probe"]["rank"]: r["calls"] for r in runs},
+        )
+        expect(e, all(r["gathered"] == probes for r in runs), "the ranks gathered different probes")
+        expect(e, [r["probe"] for r in runs] == probes, "the gathered probes differ from the ranks' own")
+        for r in runs:
+            rank, device = r["probe"]["rank"], r["rank_device"]
+            ops = [c["op"] for c in r["calls"]]
+            expect(
+                e, ops == ["all_reduce", "all_gather"], f"rank {rank} issued {ops}, expected all_reduce, all_gather"
+            )
+            expect(e, _on_device(r["calls"], device), f"rank {rank}: collective tensors not on {device}: {r['calls']}")
+            if cuda:
+                expect(e, r["probe"]["device"].startswith("cuda"), f"rank {rank}: probe device {r['probe']['device']}")
+                expect(
+                    e,
+                    r["probe"]["device"] == device,
+                    f"rank {rank}: collectives on {r['probe']['device']}, its device is {device}",
+                )
+        verdict = selfcheck.check_collectives(probes)  # SelfCheckError: the FAIL
+        # the verdict can fail: a rank whose all-gather came back wrong is refused
+        wrong = copy.deepcopy(probes)
+        wrong[-1]["gathered"] = [0] * world if world > 1 else [1]
+        try:
+            selfcheck.check_collectives(wrong)
+            refused = None
+        except selfcheck.SelfCheckError as err:
+            refused = str(err).splitlines()[1].strip()
+        e["numbers"].update(verdict=verdict, control_error=refused)
+        expect(e, refused is not None, "check_collectives accepted a wrong all-gather")
+        e["summary"] = f"{backend}: '{verdict}'; control (a wrong all-gather) refused"
+
+
+# ---- check 7: the memory self-check's arithmetic ------------------------------------------------------------
+
+# the stated case: a 7B model in bf16 (7.0e9 parameters), its largest parameter a 152,064 x 3,584 bf16 embedding
+# (Qwen2.5-7B's), 8 actor ranks under ZeRO-3, --algo.prox_mode snapshot, the sync check on (its default 0.5)
+MEMORY_CASE = dict(params=7_000_000_000, bytes_per_param=2, largest=152_064 * 3_584 * 2, world=8)
+MEMORY_ARGS = types.SimpleNamespace(
+    algo=types.SimpleNamespace(prox_mode="snapshot", prox_score_memory_mb=2048),
+    vllm=types.SimpleNamespace(sync_check_tol=0.5),
+    ds=types.SimpleNamespace(zero_stage=3),
+)
+MEMORY_CASE_TEXT = (
+    "stated case: 7B parameters in bf16 (14.0e9 bytes), largest parameter 152,064 x 3,584 bf16 (1.09e9 bytes), "
+    "8 ranks, ZeRO-3, --algo.prox_mode snapshot, --vllm.sync_check_tol 0.5"
+)
+
+
+def _memory_expected() -> dict:
+    """The stated case's needs by hand (docs/gpu_path.md's table): the sync check holds one gathered parameter + one
+    float64 chunk of 2^24 elements; snapshot moves the rank's stored partition (model / world) to the device."""
+    c = MEMORY_CASE
+    return {"sync_check": c["largest"] + (1 << 24) * 8, "snapshot": c["params"] * c["bytes_per_param"] // c["world"]}
+
+
+def _memory_verdict(report: dict):
+    from openrlhf_ess import selfcheck
+
+    try:
+        return selfcheck.check_memory([report], MEMORY_ARGS), None
+    except selfcheck.SelfCheckError as err:
+        return None, str(err)
+
+
+def worker_memory(rec: Recorder, args) -> None:
+    from openrlhf_ess import selfcheck
+
+    c, MiB = MEMORY_CASE, 1 << 20
+    model_bytes = c["params"] * c["bytes_per_param"]
+    hand = _memory_expected()
+    need = sum(hand.values())
+    case = {"model_bytes": model_bytes, "largest_param_bytes": c["largest"], "world": c["world"]}
+
+    with rec.check("7.memory_decision", "selfcheck.memory_needs / check_memory against the arithmetic") as e:
+        e["notes"].append(MEMORY_CASE_TEXT)
+        needs = selfcheck.memory_needs(MEMORY_ARGS, model_bytes, c["largest"], c["world"])
+        e["numbers"].update(needs=needs, need_by_hand=hand, need_bytes=need, need_mib=round(need / MiB, 1))
+        expect(e, sorted(needs.values()) == sorted(hand.values()), f"memory_needs gave {needs}, by hand {hand}")
+        cases = {}
+        for name, free in (("below", need - MiB), ("equal", need), ("above", need + MiB), ("unmeasured", None)):
+            verdict, error = _memory_verdict({**case, "free": free, "total": None if free is None else 2 * need})
+            cases[name] = {"free": free, "verdict": verdict, "error": error}
+        e["numbers"]["cases"] = cases
+        expect(e, cases["below"]["error"] is not None, f"free = need - 1 MiB accepted: {cases['below']['verdict']}")
+        expect(
+            e,
+            "The largest is --algo.prox_mode snapshot" in (cases["below"]["error"] or ""),
+            "the refusal does not name --algo.prox_mode snapshot (the larger need)",
+        )
+        for name in ("equal", "above"):
+            expect(e, cases[name]["error"] is None, f"free {name} the need refused: {cases[name]['error']}")
+        expect(e, "not measured" in (cases["unmeasured"]["verdict"] or ""), "free = None not reported unmeasured")
+        e["summary"] = (
+            f"need {need / MiB:,.0f} MiB (sync check {hand['sync_check'] / MiB:,.0f} + snapshot "
+            f"{hand['snapshot'] / MiB:,.0f}); free = need - 1 MiB refused, = need and + 1 MiB accepted"
+        )
+
+    with rec.check("7.memory_measured", "selfcheck.memory_probe + check_memory with torch.cuda.mem_get_info") as e:
+        e["notes"].append(MEMORY_CASE_TEXT + "; free and total: this GPU's, measured by memory_probe")
+        if args.device != "cuda":
+            raise Skip("CPU: torch.cuda.mem_get_info needs a CUDA device (7.memory_decision checks the arithmetic)")
+        import torch
+
+        torch.cuda.set_device(0)
+        module = torch.nn.Linear(1024, 1000, dtype=torch.bfloat16, device="cuda")  # 1024 x 1000 + 1000 bf16
+        probe = selfcheck.memory_probe(types.SimpleNamespace(actor=module))  # upstream's actor.actor: the module
+        own_free, own_total = torch.cuda.mem_get_info()
+        e["numbers"].update(probe=probe, mem_get_info=[own_free, own_total])
+        want = (1024 * 1000 + 1000) * 2
+        expect(e, probe["model_bytes"] == want, f"memory_probe counted {probe['model_bytes']} bytes, expected {want}")
+        expect(e, probe["largest_param_bytes"] == 1024 * 1000 * 2, f"largest {probe['largest_param_bytes']}")
+        free, total = probe["free"], probe["total"]
+        expect(e, free is not None and 0 < free <= total, f"mem_get_info gave free {free}, total {total}")
+        expect(e, total == own_total, f"total {total} != torch.cuda.mem_get_info's {own_total}")
+        if free is None:
+            return
+        verdict, error = _memory_verdict({**case, "free": free, "total": total})
+        refused_by_hand = need > free
+        e["numbers"].update(
+            free_mib=round(free / MiB, 1),
+            total_mib=round(total / MiB, 1),
+            need_mib=round(need / MiB, 1),
+            refused=error is not None,
+            refused_by_hand=refused_by_hand,
+            verdict=verdict,
+            error=error,
+        )
+        expect(
+            e,
+            (error is not None) == refused_by_hand,
+            f"check_memory {'refused' if error else 'accepted'} "
+            f"need {need} with free {free}: the arithmetic says {'refuse' if refused_by_hand else 'accept'}",
+        )
+        e["summary"] = f"free {free / MiB:,.0f} of {total / MiB:,.0f} MiB, need {need / MiB:,.0f} MiB: " + (
+            "refused, as the arithmetic says" if error else "accepted, as the arithmetic says"
+        )
+
+
+# ---- check 8: the sampling mask's log-probs and backward, and chunked scoring, at Qwen2's vocabulary ---------
+
+VOCAB = 151_936  # Qwen2's
+STOP_IDS = (2, 151_643)
+TEMPERATURE = 0.7
+# kept counts k_t covering the mask's paths: 0 = full row, small / large k, banned stops (k < 0), k >= V, k = -(V-1)
+KEPT_CYCLE = [0, 1, 5, 50, -3, -40, 300, 7000, -(VOCAB - 1), VOCAB + 5, 40000, 2, -1]
+LP_TOL = dict(atol=1e-5, rtol=1e-6)  # fp32 against fp64 over V = 151,936: ~2e-6 measured on CPU
+GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
+
+
+def _reference_support(z, labels, kept, stops=STOP_IDS):
+    """[n, V] bool: the support S_t of each row of the fp32 scaled logits ``z`` as docs/sampling_mask.md states it,
+    written out independently: stops dropped where k_t < 0, then every entry >= the |k_t|-th largest (ties kept;
+    k_t = 0 or |k_t| >= V: the whole row), then the sampled token added."""
+    import torch
+
+    vocab = z.shape[-1]
+    work = z.detach().clone()
+    stop = torch.tensor(stops, device=z.device)
+    banned = kept < 0
+    work[:, stop] = torch.where(banned.to(z.device)[:, None], float("-inf"), work[:, stop])
+    kth = torch.full((z.shape[0], 1), float("-inf"), device=z.device, dtype=z.dtype)
+    count = kept.abs().to(z.device)
+    for k in count.unique().tolist():
+        if 0 < k < vocab:
+            rows = (count == k).nonzero().squeeze(-1)
+            kth[rows, 0] = torch.kthvalue(work[rows], vocab - k + 1, dim=-1).values  # the k-th largest
+    support = (work >= kth) & (work > float("-inf"))
+    support[torch.arange(len(labels), device=z.device), labels.to(z.device)] = True
+    return support
+
+
+def _reference_log_probs(z, labels, kept, weights):
+    """log π̃(y) in float64 from the fp32 scaled logits ``z`` and its support, log Z_t, and the gradient of
+    Σ weights · log π̃ with respect to ``z`` (float64 autograd)."""
+    support = _reference_support(z, labels, kept)
+    x = z.detach().double().requires_grad_()
+    masked = x.masked_fill(~support, float("-inf")).logsumexp(-1)
+    lp = x.gather(-1, labels[:, None].to(z.device))[:, 0] - masked
+    (lp * weights.double()).sum().backward()
+    log_z = (masked - x.detach().logsumexp(-1)).detach()
+    return lp.detach(), log_z, x.grad
+
+
+def _mask_case(n: int, device):
+    """n rows of fp32 logits at V = 151,936 (N(0, 2²): not peaked, so the supports are wide; on rows with banned
+    stops, the stops on top), labels (some outside the support: forced in; some a banned stop), the kept counts of
+    KEPT_CYCLE, loss weights."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, VOCAB, generator=g) * 2
+    kept = torch.tensor([KEPT_CYCLE[i % len(KEPT_CYCLE)] for i in range(n)])
+    labels = torch.randint(3, VOCAB - 400, (n,), generator=g)
+    labels[::7] = logits[::7].argmin(-1)  # the row's lowest logit: outside any cut support, the mask adds it
+    banned = (kept < 0).nonzero().squeeze(-1)
+    # where the engine banned the stops they were often the likeliest tokens (min_tokens): make them the row's top,
+    # so that a support which kept them would differ
+    logits[banned[:, None], torch.tensor(STOP_IDS)] = logits[banned].amax(-1, keepdim=True) + 1
+    labels[banned[::2]] = STOP_IDS[0]  # a stop token sampled where stops were banned: kept in its own support
+    weights = torch.rand(n, generator=g) + 0.5
+    return logits.to(device), labels.to(device), kept.to(device), weights.to(device)
+
+
+def _max_diff(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _close(a, b, tol) -> bool:
+    import torch
+
+    return bool(torch.allclose(a.double(), b.double(), **tol))
+
+
+def _tiny_qwen2(device):
+    """A random 2-layer Qwen2 with hidden size 32 and Qwen2's full vocabulary (tests/test_prox_scoring_memory.py's
+    model: ~9.8M parameters, 39 MB in fp32), peaked next-token distributions."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 0.5)
+    return model.to(device)
+
+
+def _scoring_case(cuda: bool):
+    """Token streams (right-padded per group by the scorer) and kept counts (0 on the first 3 prompt tokens)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    n, low, high = (16, 64, 160) if cuda else (5, 8, 30)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    streams = [torch.randint(3, VOCAB, (m,), generator=g).tolist() for m in lengths]
+    cycle = len(KEPT_CYCLE)
+    kept = [[0] * 3 + [KEPT_CYCLE[(i + t) % cycle] for t in range(len(s) - 3)] for i, s in enumerate(streams)]
+    return streams, kept
+
+
+def _scoring_reference(model, streams, kept, memory_mb):
+    """fp64 log-probs of every stream: the same groups and right-padding as ``prox.stream_log_probs`` (so the same
+    body forwards), the model's own full logits, / T in fp32, then the support and log-softmax in float64."""
+    import torch
+
+    from openrlhf_ess.trainer import prox
+
+    device = next(model.parameters()).device
+    groups = prox.stream_groups([len(s) for s in streams], model.config.hidden_size, memory_mb, prox.MICRO_BATCH)
+    out = [None] * len(streams)
+    for group in groups:
+        width = max(len(streams[i]) for i in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(group):
+            ids[row, : len(streams[i])], mask[row, : len(streams[i])] = torch.tensor(streams[i]), 1
+        positions = torch.arange(width).expand(len(group), width)
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device))
+            logits = logits.logits
+        for row, i in enumerate(group):
+            z = logits[row, : len(streams[i]) - 1].float() / TEMPERATURE
+            y = torch.tensor(streams[i][1:], device=device)
+            k = torch.tensor(kept[i][1:] if kept else [0] * len(y), device=device)
+            lp, _, _ = _reference_log_probs(z, y, k, torch.ones(len(y), device=device))
+            out[i] = lp.cpu()
+        del logits
+    return out
+
+
+def worker_mask_scoring(rec: Recorder, args) -> None:
+    import torch
+
+    from openrlhf_ess.models import sampling_mask
+    from openrlhf_ess.trainer import prox
+
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here (the default; stated)
+        torch.backends.cudnn.allow_tf32 = False
+    no_peak = "CPU: torch has no peak-allocation counter for host memory (torch.cuda.max_memory_allocated); "
+    MiB = 1 << 20
+    n_rows = 1024 if cuda else 64
+    rows_note = (
+        f"{n_rows} rows of fp32 logits at V = {VOCAB:,} (sampling_mask.CHUNK_ROWS = "
+        f"{getattr(sampling_mask, 'CHUNK_ROWS', '?')}), kept counts cycling {KEPT_CYCLE}, stop ids {STOP_IDS}, "
+        f"T = {TEMPERATURE}"
+    )
+    case = None
+
+    with rec.check(
+        "8.mask_log_probs", "sampling_mask.apply_to_log_probs / masked_log_probs vs a float64 reference"
+    ) as e:
+        e["notes"].append(rows_note)
+        e["notes"].append(
+            "reference: the support written out here (kthvalue per row, stops dropped where k < 0, ties kept, the "
+            "sampled token added), log-softmax over it in float64; apply_to_log_probs is given detached full "
+            "log-probs (the scoring use), so its gradient is on the truncated rows only (zero elsewhere)"
+        )
+        case = _mask_case(n_rows, device)
+        logits, labels, kept, weights = case
+        scaled = logits / TEMPERATURE  # the trainer's scaled logits (fp32)
+        ref_lp, ref_log_z, ref_grad = _reference_log_probs(scaled, labels, kept, weights)
+        ref_grad_raw = ref_grad / TEMPERATURE  # d/d logits = d/d scaled / T
+        # apply_to_log_probs: the caller's full log-probs (detached), the truncated rows replaced
+        x = scaled.detach().clone().requires_grad_()
+        with torch.no_grad():
+            full = x.gather(-1, labels[:, None])[:, 0] - x.logsumexp(-1)
+        out, log_z, selected = sampling_mask.apply_to_log_probs(x, labels, full, kept, STOP_IDS)
+        (out * weights).sum().backward()
+        sel = selected.reshape(-1).to(device)
+        d_sel, d_full = _max_diff(out[sel], ref_lp[sel]), _max_diff(out[~sel], ref_lp[~sel])
+        d_log_z = _max_diff(log_z, ref_log_z[sel])
+        d_grad = _max_diff(x.grad[sel], ref_grad[sel])
+        grad_off = x.grad[~sel].abs().max().item() if bool((~sel).any()) else 0.0
+        expect(e, _close(out[sel], ref_lp[sel], LP_TOL), f"apply_to_log_probs: truncated rows off by {d_sel:.2e}")
+        expect(e, _close(out[~sel], ref_lp[~sel], LP_TOL), f"apply_to_log_probs: full rows off by {d_full:.2e}")
+        expect(e, _close(log_z, ref_log_z[sel], LP_TOL), f"apply_to_log_probs: log Z off by {d_log_z:.2e}")
+        expect(e, _close(x.grad[sel], ref_grad[sel], GRAD_TOL), f"apply_to_log_probs: gradient off by {d_grad:.2e}")
+        expect(e, grad_off == 0.0, f"gradient {grad_off} on rows whose log-probs were given detached")
+        del x, out, full
+        # masked_log_probs (raw logits and T), rows grouped by k_t: its top-k runs up to the largest k of a call
+        masked, grad = torch.empty(n_rows, device=device), torch.zeros_like(logits)
+        for k in kept.unique().tolist():
+            rows = (kept == k).nonzero().squeeze(-1)
+            part = logits[rows].detach().requires_grad_()
+            lp = sampling_mask.masked_log_probs(part, labels[rows], kept[rows], TEMPERATURE, STOP_IDS)
+            (lp * weights[rows]).sum().backward()
+            masked[rows], grad[rows] = lp.detach(), part.grad
+        d_masked, d_masked_grad = _max_diff(masked, ref_lp), _max_diff(grad, ref_grad_raw)
+        expect(e, _close(masked, ref_lp, LP_TOL), f"masked_log_probs off by {d_masked:.2e}")
+        expect(e, _close(grad, ref_grad_raw, GRAD_TOL), f"masked_log_probs: gradient off by {d_masked_grad:.2e}")
+        # the mask matters: log π̃ = log π - log Z differs from the full-vocabulary log-prob (the check could fail)
+        gap = ref_log_z.abs().max().item()
+        expect(e, gap > 1e-2, f"the truncated and full log-probs differ by {gap:.2e} only")
+        del grad, ref_grad, ref_grad_raw
+        e["numbers"].update(
+            rows=n_rows,
+            vocab=VOCAB,
+            truncated_rows=int(sel.sum()),
+            tolerance_log_probs=LP_TOL,
+            tolerance_grad=GRAD_TOL,
+            apply_max_abs_diff_truncated=d_sel,
+            apply_max_abs_diff_full=d_full,
+            apply_log_z_max_abs_diff=d_log_z,
+            apply_grad_max_abs_diff=d_grad,
+            masked_max_abs_diff=d_masked,
+            masked_grad_max_abs_diff=d_masked_grad,
+            truncation_effect_max=gap,
+        )
+        e["summary"] = (
+            f"{n_rows} rows x V {VOCAB:,}: apply_to_log_probs |diff| {max(d_sel, d_full):.1e}, grad {d_grad:.1e}; "
+            f"masked_log_probs {d_masked:.1e}, grad {d_masked_grad:.1e} (fp64 reference)"
+        )
+
+    with rec.check("8.mask_backward_memory", "apply_to_log_probs backward: one logits-size gradient, no second") as e:
+        e["notes"].append(rows_note)
+        if not cuda:
+            raise Skip(no_peak + "the CPU suite measures host allocations with torch.profiler instead")
+        if case is None:
+            raise Skip("no case: 8.mask_log_probs did not build it")
+        logits, labels, kept, weights = case
+        logits_bytes = logits.numel() * 4
+
+        def backward_growth(make_loss):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss = make_loss()
+            torch.cuda.synchronize()
+            forward = torch.cuda.max_memory_allocated() - base
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            loss.backward()
+            torch.cuda.synchronize()
+            return forward, torch.cuda.max_memory_allocated() - before
+
+        x = (logits / TEMPERATURE).detach().requires_grad_()
+        with torch.no_grad():
+            full = x.gather(-1, labels[:, None])[:, 0] - x.logsumexp(-1)
+
+        def ours():
+            out, _, _ = sampling_mask.apply_to_log_probs(x, labels, full, kept, STOP_IDS)
+            return (out * weights).sum()
+
+        fwd, grown = backward_growth(ours)
+        x.grad = None
+        y = logits.detach().clone().requires_grad_()
+        fwd_naive, grown_naive = backward_growth(
+            lambda: (sampling_mask.masked_log_probs(y, labels, kept, TEMPERATURE, STOP_IDS) * weights).sum()
+        )
+        x = y = None  # the two gradients and the logits copy freed
+        torch.cuda.empty_cache()
+        e["notes"].append(
+            "bound: the backward's peak growth minus the logits' size (the one gradient it must write) < one "
+            "logits-size tensor; control: masked_log_probs (the plain autograd formula) on the same logits shows a "
+            "second one, so the instrument sees it"
+        )
+        e["numbers"].update(
+            logits_bytes=logits_bytes,
+            forward_peak_growth_bytes=fwd,
+            backward_peak_growth_bytes=grown,
+            backward_growth_in_logits=round(grown / logits_bytes, 3),
+            control_forward_peak_growth_bytes=fwd_naive,
+            control_backward_peak_growth_bytes=grown_naive,
+            control_backward_growth_in_logits=round(grown_naive / logits_bytes, 3),
+        )
+        expect(
+            e,
+            grown - logits_bytes < logits_bytes,
+            f"backward grew the peak by {grown} bytes = {grown / logits_bytes:.2f} logits sizes: a second "
+            "logits-size tensor beside the gradient",
+        )
+        expect(
+            e,
+            grown_naive - logits_bytes >= logits_bytes,
+            f"control: masked_log_probs' backward grew the peak by {grown_naive / logits_bytes:.2f} logits sizes "
+            "only; the instrument cannot tell one from two",
+        )
+        e["summary"] = (
+            f"logits {logits_bytes / MiB:,.0f} MiB: backward peak +{grown / logits_bytes:.2f} x logits (bound < 2); "
+            f"control masked_log_probs +{grown_naive / logits_bytes:.2f} x"
+        )
+    case = None
+
+    model = streams = kept_counts = None
+    budget_mb = 64 if cuda else 4
+    scoring_note = ""
+    with rec.check("8.prox_scoring", "prox.stream_log_probs in chunks at V = 151,936 vs a float64 reference") as e:
+        model = _tiny_qwen2(device)
+        streams, kept_counts = _scoring_case(cuda)
+        positions = sum(len(s) - 1 for s in streams)
+        rows_plain = prox.rows_per_chunk(VOCAB, budget_mb)
+        rows_masked = prox.rows_per_chunk(VOCAB, budget_mb, masked=True)
+        scoring_note = (
+            f"tiny random Qwen2 (hidden 32, 2 layers, V = {VOCAB:,}, fp32); {len(streams)} streams, {positions} "
+            f"scored positions; memory_mb {budget_mb}: {rows_plain} positions per LM-head chunk ({rows_masked} with "
+            f"kept counts); T = {TEMPERATURE}, stop ids {STOP_IDS}"
+        )
+        e["notes"].append(scoring_note)
+        e["notes"].append(
+            "reference: the same groups and padding (prox.stream_groups), the model's own full logits, / T in fp32, "
+            "log-softmax (over the support written out here, with kept counts) in float64"
+        )
+        diffs = {}
+        results = {}
+        for name, counts in (("plain", None), ("kept", kept_counts)):
+            ours = prox.stream_log_probs(
+                model, streams, TEMPERATURE, kept=counts, stop_ids=STOP_IDS, memory_mb=budget_mb
+            )
+            ref = _scoring_reference(model, streams, counts, budget_mb)
+            expect(e, [len(lp) for lp in ours] == [len(s) - 1 for s in streams], f"{name}: wrong lengths")
+            got, want = torch.cat(ours), torch.cat(ref)
+            diffs[name] = _max_diff(got, want)
+            results[name] = got
+            expect(e, _close(got, want, LP_TOL), f"{name}: off the float64 reference by {diffs[name]:.2e}")
+        effect = _max_diff(results["plain"], results["kept"])
+        expect(e, effect > 1e-2, f"kept counts change the log-probs by {effect:.2e} only: the check could not fail")
+        e["numbers"].update(
+            streams=len(streams),
+            positions=positions,
+            memory_mb=budget_mb,
+            rows_per_chunk=rows_plain,
+            rows_per_chunk_kept=rows_masked,
+            max_abs_diff=diffs,
+            tolerance=LP_TOL,
+            kept_effect_max=effect,
+        )
+        e["summary"] = (
+            f"{positions} positions, {rows_plain} / {rows_masked} per chunk: |diff| vs fp64 {diffs['plain']:.1e} "
+            f"(plain), {diffs['kept']:.1e} (kept counts)"
+        )
+
+    with rec.check("8.prox_scoring_memory", "prox.stream_log_probs: peak device memory within memory_mb") as e:
+        e["notes"].append(scoring_note)
+        if not cuda:
+            raise Skip(no_peak + "tests/test_prox_scoring_memory.py measures host allocations with the profiler")
+        if model is None:
+            raise Skip("no model: 8.prox_scoring did not build it")
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        groups = prox.stream_groups([len(s) for s in streams], 32, budget_mb, prox.MICRO_BATCH)
+        g, width = max(len(r) for r in groups), max(len(s) for s in streams)
+        hidden_bytes = g * width * 32 * 4
+        last_logits = 2 * g * VOCAB * 4
+        slack = 32 * MiB
+        bound = budget_mb * MiB + hidden_bytes + last_logits + slack
+        e["notes"].append(
+            f"bound (peak growth over the resident model): memory_mb ({budget_mb} MiB) + the group's final hidden "
+            f"states (g x W x 32 x 4 = {hidden_bytes} B) + the last position's logits twice (2 x g x V x 4 = "
+            f"{last_logits} B) + {slack // MiB} MiB for one body forward's activations; control: memory_mb x 8"
+        )
+
+        def growth(memory_mb, counts=None):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            prox.stream_log_probs(model, streams, TEMPERATURE, kept=counts, stop_ids=STOP_IDS, memory_mb=memory_mb)
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base, base
+
+        prox.stream_log_probs(model, streams[:2], TEMPERATURE, memory_mb=budget_mb)  # warm-up: kernels, workspaces
+        plain, resident = growth(budget_mb)
+        masked, _ = growth(budget_mb, kept_counts)
+        control, _ = growth(budget_mb * 8)
+        positions = sum(len(s) - 1 for s in streams)
+        e["numbers"].update(
+            model_bytes=model_bytes,
+            resident_bytes_before=resident,
+            memory_mb=budget_mb,
+            bound_bytes=bound,
+            peak_growth_plain_bytes=plain,
+            peak_growth_kept_bytes=masked,
+            peak_absolute_plain_bytes=resident + plain,
+            peak_absolute_kept_bytes=resident + masked,
+            absolute_bound_bytes=resident + bound,
+            control_memory_mb=budget_mb * 8,
+            control_peak_growth_bytes=control,
+            full_logits_bytes=positions * VOCAB * 4,
+            old_scorer_bytes_estimate=3 * positions * VOCAB * 4,
+        )
+        expect(e, plain <= bound, f"plain scoring grew the peak by {plain / MiB:.1f} MiB, above {bound / MiB:.1f}")
+        expect(
+            e,
+            masked <= bound,
+            f"scoring with kept counts grew the peak by {masked / MiB:.1f} MiB, above {bound / MiB:.1f}",
+        )
+        expect(
+            e,
+            control > bound,
+            f"control (memory_mb x 8) grew the peak by {control / MiB:.1f} MiB only, not "
+            f"above {bound / MiB:.1f}: the measurement cannot see the budget",
+        )
+        e["summary"] = (
+            f"peak +{plain / MiB:.1f} MiB plain, +{masked / MiB:.1f} MiB kept counts (bound {bound / MiB:.1f} MiB = "
+            f"{budget_mb} MiB budget + {(bound - budget_mb * MiB) / MiB:.1f}); control x8 +{control / MiB:.1f} MiB; "
+            f"full logits {positions * VOCAB * 4 / MiB:,.0f} MiB; model {model_bytes / MiB:.1f} MiB"
+        )
+
+
 # ---- the orchestrator ---------------------------------------------------------------------------------------
 
 
@@ -970,6 +1811,10 @@ def run_worker(args) -> int:
         "3": lambda: worker_zero3(rec, args),
         "4a": lambda: worker_ess_ds(rec, args, k2=False),
         "4b": lambda: worker_ess_ds(rec, args, k2=True),
+        "5": lambda: worker_placement(rec, args),
+        "6": lambda: worker_selfcheck_collectives(rec, args),
+        "7": lambda: worker_memory(rec, args),
+        "8": lambda: worker_mask_scoring(rec, args),
     }
     fns[args.worker]()
     return 0
@@ -1076,6 +1921,7 @@ def orchestrate(args) -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", key, "--result", result]
             cmd += ["--device", args.device, "--checksum-gib", str(args.checksum_gib)]
             cmd += ["--zero3-route", args.zero3_route] + (["--fused-adam"] if args.fused_adam else [])
+            cmd += ["--ranks", str(args.ranks)] if args.ranks else []
             cmd += ["--without", ",".join(args.without)] if args.without else []
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -1140,7 +1986,7 @@ def orchestrate(args) -> int:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda: NCCL (default); cpu: gloo, for CI")
-    p.add_argument("--checks", default="1,2,3,4", help="comma-separated check numbers (default 1,2,3,4)")
+    p.add_argument("--checks", default=ALL_CHECKS, help=f"comma-separated check numbers (default {ALL_CHECKS})")
     p.add_argument("--json", default=None, help="report path (default $OUT/gpu_check.json, else ./gpu_check.json)")
     p.add_argument("--budget-s", type=float, default=540.0, help="overall time budget; later checks SKIP past it")
     p.add_argument("--checksum-gib", type=int, default=2, help="check 2's tensor, GiB of bf16 (capped at free/4)")
@@ -1151,20 +1997,28 @@ def parse_args(argv=None):
         help="check 3: the real trainer (needs OpenRLHF), or a deepspeed.zero.Init model (auto: trainer if possible)",
     )
     p.add_argument("--fused-adam", action="store_true", help="CUDA: DeepSpeed's JIT-built FusedAdam, not torch AdamW")
+    p.add_argument(
+        "--ranks", type=int, default=0, help="checks 5 and 6: ranks to start (default: one per GPU, at most 8; CPU: 2)"
+    )
     p.add_argument("--without", default="", help="comma-separated packages to treat as not installed (tests)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rank-task", default=None, help=argparse.SUPPRESS)  # a rank of check 5 or 6
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--rank-options", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     args.without = [m.strip() for m in args.without.split(",") if m.strip()]
     bad = [c for c in args.checks if c not in {num for num, _ in WORKERS.values()}]
     if bad:
-        p.error(f"unknown checks {bad}; known: 1, 2, 3, 4")
+        p.error(f"unknown checks {bad}; known: {ALL_CHECKS}")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.rank_task:
+        return run_rank(args)
     if args.worker:
         return run_worker(args)
     return orchestrate(args)

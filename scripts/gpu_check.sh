@@ -6,6 +6,8 @@
 #   bash scripts/gpu_check.sh                     # CUDA
 #   bash scripts/gpu_check.sh --device cpu        # the CPU variant (gloo), as CI runs it
 #   bash scripts/gpu_check.sh --checks 1,2        # arguments pass through to scripts/gpu_check.py (--help)
+#   bash scripts/gpu_check.sh --checks 5,6,7,8    # issue 20's self-checks and the mask / scoring maths: torch and
+#                                                 # transformers only (no DeepSpeed, OpenRLHF, Ray or vLLM)
 #
 # Missing packages (DeepSpeed, OpenRLHF and their small pure-python needs) come from a wheel folder, if there is
 # one: $GPU_WHEELS, else scripts/gpu_wheels/. They are installed offline (pip --no-index --no-deps) into

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh (issue 12) in its CPU variant: the report's structure, the exit code, and check 1.
+"""scripts/gpu_check.sh (issue 12) in its CPU variant: the report's structure, the exit code, checks 1, 2 and 5-8.
 
 On CPU the process group is gloo, which accepts host tensors: the real negative control (a host tensor in a NCCL
 collective raises) can only run on a GPU, so here it must be reported SKIP with that reason, and the adapted
@@ -84,6 +84,36 @@ def test_cpu_checks_1_and_2(tmp_path):
     sums = by_id["2.checksum_correctness"]
     assert sums["status"] == "PASS" and sums["numbers"]["chunks"] == 3, sums
     assert sums["numbers"]["rel_err_sum"] <= 1e-12 and sums["numbers"]["throughput_gb_s"] > 0
+
+
+def test_cpu_checks_5_to_8(tmp_path):
+    """The start-up self-checks and the mask / scoring maths (issue 20) in their CPU variant: two gloo ranks with
+    per-rank fake device ids, the arithmetic of the memory check, float64 references at V = 151,936; the peaks and
+    mem_get_info need CUDA: SKIP with the reason."""
+    run, report, by_id = _run(tmp_path, "--device", "cpu", "--checks", "5,6,7,8")
+    assert run.returncode == 0, run.stdout[-4000:]
+    placement = by_id["5.placement"]
+    assert placement["status"] == "PASS" and placement["numbers"]["backend"] == "gloo", placement
+    assert [r["device"] for r in placement["numbers"]["reports"]] == ["CPU-FAKE-0", "CPU-FAKE-1"]
+    assert placement["numbers"]["verdict"] == "placement: 2 trainer ranks on 2 devices"
+    control = by_id["5.placement_control"]  # every rank on device 0: refused, the device and the ranks named
+    assert control["status"] == "PASS" and "CPU-FAKE-0: 2 ranks of actor" in control["numbers"]["error"], control
+    collectives = by_id["6.collectives"]
+    assert collectives["status"] == "PASS" and collectives["numbers"]["world"] == 2, collectives
+    assert [p["gathered"] for p in collectives["numbers"]["probes"]] == [[0, 1], [0, 1]]
+    assert "all-gather gave [0, 0]" in collectives["numbers"]["control_error"]
+    memory = by_id["7.memory_decision"]
+    assert memory["status"] == "PASS", memory  # the stated 7B case's need, by hand: embedding + 2^24 x 8 + model / 8
+    assert memory["numbers"]["need_bytes"] == 152_064 * 3_584 * 2 + 2**27 + 14 * 10**9 // 8
+    assert memory["numbers"]["cases"]["below"]["error"] and not memory["numbers"]["cases"]["above"]["error"]
+    for cid in ("7.memory_measured", "8.mask_backward_memory", "8.prox_scoring_memory"):
+        assert by_id[cid]["status"] == "SKIP" and "CPU" in by_id[cid]["reason"], by_id[cid]
+    mask = by_id["8.mask_log_probs"]
+    assert mask["status"] == "PASS" and mask["numbers"]["vocab"] == 151_936, mask
+    assert mask["numbers"]["apply_grad_max_abs_diff"] <= 1e-5 and mask["numbers"]["truncation_effect_max"] > 1e-2
+    scoring = by_id["8.prox_scoring"]
+    assert scoring["status"] == "PASS" and max(scoring["numbers"]["max_abs_diff"].values()) <= 1e-4, scoring
+    assert scoring["numbers"]["kept_effect_max"] > 1e-2
 
 
 def test_missing_packages_skip_with_the_reason_and_stubs_are_reported(tmp_path):
