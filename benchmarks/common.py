@@ -42,3 +42,19 @@ def run_flags(a: argparse.Namespace, world: dict, run_dir: str, prompts: int) ->
     if a.gpu:
         flags[flags.index("sdpa")] = "flash_attention_2"
     return flags + a.extra.split()
+
+
+def peak_allocated_bytes(fn) -> int:
+    """The largest sum of live CPU allocations while ``fn`` runs: every allocation and free torch makes, from
+    torch.profiler's memory events in time order (what was allocated before the call, e.g. weights, is not
+    counted). The one memory measurement of the benchmarks and the memory tests."""
+    import itertools
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    return max(itertools.accumulate(n for _, n in events), default=0)

@@ -33,7 +33,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.common import add_model_arguments, check_model_arguments, world_for  # noqa: E402
+from benchmarks.common import add_model_arguments, check_model_arguments, peak_allocated_bytes, world_for  # noqa: E402
 from benchmarks.common import run_flags as common_flags  # noqa: E402
 
 ASYNC = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.tis_cap", "2"]
@@ -88,19 +88,6 @@ def _top_p_counts(logits, p: float = 0.8, rows: int = 128):
     return torch.cat(counts).reshape(logits.shape[:-1])
 
 
-def _peak_bytes(fn) -> int:
-    """Peak of the bytes allocated minus freed while ``fn`` runs (torch.profiler's memory events, CPU)."""
-    import itertools
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = prof.profiler.kineto_results.events()
-    events = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    return max(itertools.accumulate(n for _, n in events), default=0)
-
-
 def micro(vocab: int = 151_936, tokens: int = 1024, reps: int = 5, masked_fn=None) -> dict:
     """Forward + backward seconds and peak bytes of the log-prob step at ``vocab``: upstream's full-vocabulary
     ``log_probs_from_logits`` against the seam's ``truncated_log_probs`` (what replaces it under ``keep``), on the
@@ -138,13 +125,13 @@ def micro(vocab: int = 151_936, tokens: int = 1024, reps: int = 5, masked_fn=Non
         held = {}
         t0 = time.perf_counter()
         if measure_memory:
-            fwd_peak = _peak_bytes(lambda: held.update(lp=fn(x)))
+            fwd_peak = peak_allocated_bytes(lambda: held.update(lp=fn(x)))
         else:
             held["lp"] = fn(x)
         t1 = time.perf_counter()
         loss = (held.pop("lp") * weights).sum()
         if measure_memory:
-            return fwd_peak, _peak_bytes(loss.backward)
+            return fwd_peak, peak_allocated_bytes(loss.backward)
         loss.backward()
         return t1 - t0, time.perf_counter() - t1
 

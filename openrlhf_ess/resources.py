@@ -276,6 +276,59 @@ def check(
     )
 
 
+# ---------------------------------------------------------------------------------------- host memory
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def model_bytes(path: str) -> int:
+    """Bytes of the weight files in a local model folder (0 for a hub id or a folder without weights)."""
+    import os
+
+    if not os.path.isdir(path):
+        return 0
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(WEIGHT_FILES))
+
+
+def host_memory_needs(args: types.SimpleNamespace, model: int) -> Dict[str, int]:
+    """Host bytes the weight transfer of ours needs at its peak, per process that holds it (docs/gpu_path.md):
+
+    - ``--vllm.sync_backend reload``: actor rank 0 holds a CPU copy of the weights and the serialised blob (2·M);
+      each engine receives the blob (M) and each of its tensor-parallel workers a copy of it plus the tensors
+      parsed from it (2·M per worker): M + 2·TP·M on the engine's node;
+    - ``--algo.prox_mode dedicated``: rank 0's CPU copy and blob for the scorer (2·M; with ``reload`` the same
+      blob), and the scorer's received blob and parsed copy (2·M).
+    """
+    needs: Dict[str, int] = {}
+    if args.vllm.sync_backend == config.RELOAD_BACKEND and args.vllm.num_engines:
+        needs["actor rank 0 (--vllm.sync_backend reload)"] = 2 * model
+        tp = max(1, int(getattr(args.vllm, "tensor_parallel_size", 1) or 1))
+        needs[f"each vLLM engine with its {tp} worker(s) (--vllm.sync_backend reload)"] = model + 2 * tp * model
+    if args.algo.prox_mode == "dedicated":  # with reload, rank 0 sends the very blob the engines loaded
+        needs.setdefault("actor rank 0 (the dedicated model's weights blob)", 2 * model)
+        needs["the dedicated pi_prox model (--algo.prox_mode dedicated)"] = 2 * model
+    return needs
+
+
+def check_host_memory(args: types.SimpleNamespace, nodes: List[Dict[str, float]], model: int) -> None:
+    """Raise :class:`ResourceError` when a process's stated host need exceeds the memory every node offers Ray
+    (its ``memory`` resource): that process could never run there without the OS killing it mid-sync."""
+    largest = max((float(n.get("memory", 0)) for n in nodes), default=0.0)
+    if not model or largest <= 0:
+        return
+    over = {who: need for who, need in host_memory_needs(args, model).items() if need > largest}
+    if not over:
+        return
+    gib = float(1 << 30)
+    items = "; ".join(f"{who}: {need / gib:,.1f} GiB" for who, need in over.items())
+    raise ResourceError(
+        f"host memory: the model's weights are {model / gib:,.1f} GiB, and with these flags {items} at the peak of "
+        f"a weight sync, more than the largest node offers Ray ({largest / gib:,.1f} GiB). Use --vllm.sync_backend "
+        "nccl (GPU clusters: per-parameter broadcast, no host copy), a smaller --vllm.tensor_parallel_size, or "
+        "--algo.prox_mode interrupt instead of dedicated."
+    )
+
+
 # ---------------------------------------------------------------------------------- placement watchdog
 
 

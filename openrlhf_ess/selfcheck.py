@@ -12,6 +12,10 @@ the checks; their time is logged). docs/gpu_path.md#start-up-self-checks lists t
   together, stop the run with the table. Catches every actor of a node landing on GPU 0 (issue 20, item 1).
 - **Collectives**: every actor rank runs one all-reduce and one all-gather through ``openrlhf_ess/distributed.py``
   on the real process group and checks the values and that the tensors were on the collective device.
+- **Engine canary**: before any sync (both hold the loaded model), within ``--vllm.sync_check_tol``: the engines'
+  log-probs of a fixed 32-token canary against the trainer's own forward, and μ of 32 tokens that engine 0
+  samples with the run's temperature / top-p / top-k against the trainer's log-probs of them (over the kept
+  support with the sampling mask) (``weight_sync.py::startup_canary``).
 - **Memory**: each actor rank's free device memory (``torch.cuda.mem_get_info``) against the extra peak the
   run's features state (docs/gpu_path.md's table, :func:`memory_needs`); a shortfall names the flag.
 - **Engine contract** (with ``--algo.sampling_mask keep``): in each engine at its start
@@ -234,6 +238,22 @@ def check_memory(reports: Sequence[dict], args) -> str:
     return f"memory: {need / MiB:,.0f} MiB stated peak of our features <= {worst['free'] / MiB:,.0f} MiB free"
 
 
+# ------------------------------------------------------------------------------------------- engine canary
+
+
+def canary_skipped(args) -> Optional[str]:
+    """Why the engines-vs-trainer canary cannot run at start-up (None: it runs; "" : nothing to compare)."""
+    if not getattr(args.vllm, "num_engines", 0):
+        return ""
+    if args.vllm.sync_check_tol <= 0:
+        return "--vllm.sync_check_tol 0"
+    if getattr(args.vllm, "enable_sleep", False):
+        return "--vllm.enable_sleep: the engines sleep until the first generation; the first sync runs it"
+    if getattr(args.ckpt, "load_enable", False):
+        return "--ckpt.load_enable: the engines hold the base model until the first sync, which runs it"
+    return None
+
+
 # ------------------------------------------------------------------------------------------------ driver
 
 
@@ -252,6 +272,17 @@ def run(args, groups: Dict[str, Optional[list]], log=print) -> List[str]:
     if actor:
         lines.append(check_collectives(ray.get([h.__ray_call__.remote(collective_probe) for h in actor])))
         lines.append(check_memory(ray.get([h.__ray_call__.remote(memory_probe) for h in actor]), args))
+    why_not = canary_skipped(args)
+    if actor and why_not is None:
+        rank0 = [r for r in ray.get([h.selfcheck_canary.remote() for h in actor]) if r is not None][0]
+        sampled = rank0["sampled"]
+        sampled = f"mean |Δ log p| {sampled:.2e}" if isinstance(sampled, float) else sampled
+        lines.append(
+            f"engine canary: mean |Δ log p| {rank0['canary']:.2e}, a sample with the run's settings: {sampled} "
+            f"(--vllm.sync_check_tol {args.vllm.sync_check_tol})"
+        )
+    elif why_not:
+        lines.append(f"engine canary: not run ({why_not})")
     lines.append(f"took {time.monotonic() - start:.1f} s (--selfcheck off skips it)")
     log("[openrlhf-ess] start-up self-check passed: " + "; ".join(lines), flush=True)
     return lines

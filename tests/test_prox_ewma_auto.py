@@ -153,3 +153,29 @@ def test_auto_decay_through_the_cli(tiny_world, tmp_path):
     assert len(decay) >= 3 and any(lag[s] > 0 for s in decay)  # 4 steps logged here (lags 0, 1, 2, 2)
     for step, beta in decay.items():
         assert beta == pytest.approx(lag[step] / (1 + lag[step]), abs=1e-6), (step, lag, decay)
+
+
+def test_ewma_host_memory_is_one_fp32_copy_plus_one_parameter():
+    """Issue 20, item 8: the EWMA held three fp32 copies of the model on the host (the average, a full fp32 copy of
+    the live weights at every update, a full bias-corrected copy at every swap). Now: the average, plus one
+    parameter at a time. Measured with torch's allocator events (tests/test_prox_scoring_memory.py)."""
+    from benchmarks.common import peak_allocated_bytes
+
+    layers = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(8)]).to(torch.bfloat16)
+    param = 256 * 256 * 4  # one parameter in fp32
+    model = 8 * param
+    ewma = prox.EwmaWeights(0.9)
+    ewma.update(layers)  # allocates the average itself: 8 parameters in fp32
+    assert ewma.nbytes() == model
+    update_peak = peak_allocated_bytes(lambda: ewma.update(layers))
+    assert update_peak <= 2 * param, update_peak  # one fp32 parameter (+ its temporary), never the whole model
+
+    def swap_forward():
+        with prox.swapped_weights(layers, ewma.state()):
+            pass
+
+    swap_peak = peak_allocated_bytes(swap_forward)
+    assert swap_peak <= model // 2 + 2 * param, swap_peak  # the bf16 swapped-in weights + one fp32 parameter
+    # the values: two updates with the same weights θ give θ̄ = 0.9·0.1θ + 0.1θ = 0.19θ, corrected by 1 − 0.9² = 0.19
+    first = next(iter(layers.parameters())).detach().float()
+    assert torch.allclose(ewma.state()["0.weight"], first, rtol=1e-6, atol=0)

@@ -22,9 +22,9 @@ cpu_compat.apply()  # upstream's Actor imports flash_attn: the CPU stand-ins
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from benchmarks.common import peak_allocated_bytes  # noqa: E402
 from openrlhf_ess.trainer import prox  # noqa: E402
 
 VOCAB = 151_936  # Qwen2's
@@ -191,19 +191,6 @@ def test_the_budget_flag_must_be_positive(tiny_world):
     assert args.algo.prox_score_memory_mb == prox.SCORE_MEMORY_MB == 2048
     with pytest.raises(config.ConfigError, match="--algo.prox_score_memory_mb must be > 0"):
         cli.parse_args(argv + ["--algo.prox_score_memory_mb", "0"])
-
-
-def peak_allocated_bytes(fn) -> int:
-    """The largest sum of live CPU allocations while ``fn`` runs: every allocation and free torch makes, from the
-    profiler's memory events in time order (allocations before the call, e.g. the weights, are not counted)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["plain", "kept"])

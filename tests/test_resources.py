@@ -260,3 +260,28 @@ def test_cli_fails_fast_on_the_measured_hang(tiny_world, tmp_path):
     assert "Traceback" not in run.log and "RolloutRayActor" not in run.log  # nothing was started
     assert seconds < 60, seconds  # measured ~15 s on 2 busy cores (Ray's start-up)
     assert not run.leftovers, run.leftovers
+
+
+def test_host_memory_of_the_reload_sync_at_scale_is_refused_with_the_flag():
+    # Issue 20, item 8: reload ships the whole model as one blob: 2·M on actor rank 0, M + 2·TP·M per engine.
+    gib = 1 << 30
+    args = _args("--vllm.sync_backend", "reload", "--vllm.tensor_parallel_size", "1")
+    needs = resources.host_memory_needs(args, 14 * gib)  # a 7B model in bf16
+    assert needs == {
+        "actor rank 0 (--vllm.sync_backend reload)": 28 * gib,
+        "each vLLM engine with its 1 worker(s) (--vllm.sync_backend reload)": 42 * gib,
+    }
+    with pytest.raises(
+        resources.ResourceError, match=r"host memory: .*14\.0 GiB.*42\.0 GiB.*--vllm.sync_backend nccl"
+    ):
+        resources.check_host_memory(args, [{"memory": 32 * gib}, {"memory": 30 * gib}], 14 * gib)
+    resources.check_host_memory(args, [{"memory": 64 * gib}], 14 * gib)  # fits the largest node
+    resources.check_host_memory(args, [{"memory": 1 * gib}], 0)  # a hub id: size unknown, not checked
+
+
+def test_model_bytes_counts_the_weight_files(tmp_path):
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"x" * 24)
+    (tmp_path / "config.json").write_text("{}")
+    assert resources.model_bytes(str(tmp_path)) == 1024
+    assert resources.model_bytes("Qwen/Qwen2.5-7B") == 0

@@ -14,11 +14,8 @@ gradient, and the zero-filled buffers of its gather and slice backward); with fl
 allocates ~1 L.
 """
 
-import itertools
-
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from openrlhf_ess import cpu_compat
 
@@ -26,18 +23,10 @@ cpu_compat.apply()
 
 from openrlhf.models.utils import log_probs_from_logits  # noqa: E402
 
+from benchmarks.common import peak_allocated_bytes  # noqa: E402
 from openrlhf_ess.models import sampling_mask as maths  # noqa: E402
 
 BATCH, SEQ, VOCAB = 4, 256, 8192  # 1,024 rows: L = 32 MiB; the backward chunk's bool temporary is L / 32
-
-
-def peak_bytes(fn) -> int:
-    """Peak of allocated − freed bytes (CPU) while ``fn`` runs, from the profiler's memory events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = prof.profiler.kineto_results.events()
-    events = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    return max(itertools.accumulate(n for _, n in events), default=0)
 
 
 def _batch():
@@ -58,9 +47,9 @@ def measure(log_probs_fn):
     logits, labels, kept, weights = _batch()
     x = logits.clone().requires_grad_(True)
     held = {}
-    forward = peak_bytes(lambda: held.update(out=log_probs_fn(x, labels, kept)))
+    forward = peak_allocated_bytes(lambda: held.update(out=log_probs_fn(x, labels, kept)))
     loss = (held.pop("out") * weights).sum()
-    backward = peak_bytes(loss.backward)
+    backward = peak_allocated_bytes(loss.backward)
     assert x.grad is not None and x.grad.shape == x.shape
     size = logits.numel() * logits.element_size()
     return forward / size, backward / size

@@ -44,10 +44,11 @@ def test_async_partial_interrupt_run_across_two_nodes(tiny_world, tmp_path):
         rc, log = run_cli(args + flags + ["--ray.address", address], run_dir, env={"CUDA_VISIBLE_DEVICES": ""})
         _check_run(run_dir, rc, log, steps=2)
         assert "accelerator: cpu (the cluster at 127.0.0.1" in log and "declares GPUs but none" in log
-        actors = _actors(dashboard.replace("http://", ""))
+        actors = _actors(dashboard)
     policy = {node for name, node in actors if name.startswith("PolicyModelActor")}
     engines = {node for name, node in actors if "RolloutRayActor" in name}
     assert len(policy) == 1 and len(engines) == 1, actors
     assert policy != engines, f"policy and engine on the same node: {actors}"
     # a checkpoint written across the cluster, where --ckpt.path says
-    assert any(name.startswith("global_step") for name in os.listdir(os.path.join(run_dir, "ckpt")))
+    saved = [d for _, dirs, _ in os.walk(os.path.join(run_dir, "ckpt", "checkpoints")) for d in dirs]
+    assert any(d.startswith("global_step") for d in saved), saved

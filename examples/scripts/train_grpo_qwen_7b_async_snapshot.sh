@@ -14,8 +14,9 @@
 #   --algo.max_version_lag 4          mask tokens more than 4 syncs old. A backstop: at queue 2 + partial
 #                                     rollouts the lag is at most 3, so it only bites if you deepen the queue.
 #   --algo.prox_mode snapshot         pi_prox = the trainer's weights at the version that sampled each token
-#   --algo.prox_snapshots 4           (host copies of the last 4 versions: 4 x 15 GB of host RAM for 7B bf16;
-#                                     one extra actor forward per stale version per batch). Needs ZeRO <= 2.
+#   --algo.prox_snapshots 4           (host copies of the last 4 versions, PER ACTOR RANK: under ZeRO-2 each of
+#                                     the 4 ranks keeps 4 x 15 GB for 7B bf16, 240 GB of host RAM on the node;
+#                                     ZeRO-3 divides it by the ranks. One extra actor forward per stale version.)
 #   --algo.kl.off_policy_k2_enable    the KL loss (--algo.kl.use_loss) gets the unbiased reverse-KL gradient
 #                                     under off-policy sampling (k2 weighted by the decoupled IS weight);
 #                                     the logged kl stays k3.

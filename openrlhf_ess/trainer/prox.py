@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -117,10 +118,28 @@ class WeightSnapshots:
         self._states = OrderedDict(sorted(d["states"].items()))
 
 
+class _Scaled(Mapping):
+    """``{name: t * factor}`` computed per access (the EWMA's bias-corrected weights without a stored copy)."""
+
+    def __init__(self, tensors: State, factor: float):
+        self._tensors, self._factor = tensors, factor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name] * self._factor
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
 class EwmaWeights:
     r"""PPO-EWMA proximal weights (Hilton et al., "Batch size-invariance for policy optimization",
     arXiv 2110.00641): θ̄_n = β θ̄_{n−1} + (1−β) θ_n after each optimizer step, θ̄_0 = 0, and the
-    bias-corrected θ̂_n = θ̄_n / (1 − βⁿ) is the proximal policy. Kept on the host in fp32.
+    bias-corrected θ̂_n = θ̄_n / (1 − βⁿ) is the proximal policy. Kept on the host in fp32: one copy of this rank's
+    parameters (its ZeRO-3 partition: 2·M/R for 16-bit weights; under ZeRO 0–2 the whole model, 2·M per rank), plus
+    one parameter at a time while updating or swapping in (issue 20, item 8: it held three fp32 copies).
 
     ``decay="auto"`` (``--algo.prox_ewma_decay auto``): each update passes its own β_n, and the bias correction
     is 1 − Π_k β_k (the same identity: θ̄_n holds 1 − Π_k β_k of total weight). A fixed decay keeps the
@@ -138,19 +157,25 @@ class EwmaWeights:
         beta = self.decay if decay is None else decay
         if beta == "auto":
             raise ValueError("EwmaWeights(decay='auto').update needs this step's decay")
-        current = {name: storage(p).detach().float().cpu() for name, p in module.named_parameters()}
-        if self._avg is None:
-            self._avg = {name: torch.zeros_like(t) for name, t in current.items()}
-        for name, t in current.items():
+        first = self._avg is None
+        if first:
+            self._avg = {}
+        for name, p in module.named_parameters():  # one parameter's fp32 host copy at a time, not the model's
+            t = storage(p).detach().float().cpu()
+            if first:
+                self._avg[name] = torch.zeros_like(t)
             self._avg[name].mul_(beta).add_(t, alpha=1 - beta)
+            del t
         self.n += 1
         self.kept *= beta
 
-    def state(self) -> Optional[State]:
+    def state(self) -> Optional["_Scaled"]:
+        """θ̂_n by name, bias-corrected one tensor at a time on access (a read-only mapping): the swap reads each
+        parameter once, so the host holds the average plus one parameter, not a second fp32 copy of the model."""
         if self._avg is None:
             return None
         correction = 1 - (self.kept if self.decay == "auto" else self.decay**self.n)
-        return {name: t / correction for name, t in self._avg.items()}
+        return _Scaled(self._avg, 1.0 / correction)
 
     def nbytes(self) -> int:
         return state_bytes(self._avg) if self._avg else 0

@@ -202,12 +202,9 @@ class WeightSync:
         if canary:
             self._check_canary()
 
-    def _check_canary(self) -> None:
-        t0 = time.time()
+    def _eval_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The policy's logits of ``ids`` [1, T] in eval mode, without gradients (all ranks: ZeRO-3 gathers)."""
         model = self.trainer.actor.model
-        vocab = model.module.config.vocab_size
-        g = torch.Generator().manual_seed(1234)
-        ids = torch.randint(min(4, vocab - 1), vocab, (1, SYNC_CANARY_TOKENS), generator=g)
         device = torch.cuda.current_device()
         was_training = model.training
         model.eval()
@@ -215,6 +212,78 @@ class WeightSync:
             logits = model(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device)).logits
         if was_training:
             model.train()
+        return logits
+
+    def startup_canary(self) -> Optional[Dict[str, object]]:
+        """The start-up self-check's engine contract (all ranks; rank 0 returns the worst mean |Δ log p|):
+        before any sync, engines and trainer hold the same pretrained weights, so the engines' log-probs of the
+        fixed canary must match the trainer's own forward within --vllm.sync_check_tol. Catches an engine whose
+        numerics differ from the trainer's (dtype, kernels, a wrong LM head) before the first rollout."""
+        self.metrics = {}
+        self._check_canary(startup=True)
+        sampled = self._check_sampled_contract()
+        canary, self.metrics = self.metrics.get("sync/canary_mean_abs_diff"), {}
+        return None if canary is None else {"canary": canary, "sampled": sampled}
+
+    def _check_sampled_contract(self):
+        """Start-up: one short generation with the run's own sampling settings (temperature, top-p, top-k; a fixed
+        seed, so every rank gets the same tokens from engine 0), and μ, as the engine returns it, against the
+        trainer's own forward of those tokens: log softmax(z/T), over the engine's kept support (k_t) with
+        --algo.sampling_mask keep. Without the mask, truncated sampling (top-p < 1 or top-k) makes μ the
+        renormalised probability, which the trainer does not model: then only untruncated runs are compared."""
+        from openrlhf_ess import config
+        from openrlhf_ess.models import sampling_mask as maths
+
+        args, engines = self.args, self.trainer.vllm_engines
+        masked = config.sampling_mask_on(args)
+        truncated = args.rollout.top_p < 1.0 or (getattr(args.rollout, "top_k", 0) or 0) > 0
+        if not config.needs_rollout_logprobs(args):
+            return "not run: the engine returns no mu for this run (no off-policy flag)"
+        if truncated and not masked:
+            return "not run: truncated sampling without --algo.sampling_mask (mu is renormalised)"
+        temperature = float(args.rollout.temperature)
+        model = self.trainer.actor.model
+        vocab = model.module.config.vocab_size
+        g = torch.Generator().manual_seed(4321)
+        prompt = torch.randint(min(4, vocab - 1), vocab, (8,), generator=g).tolist()
+        sample = ray.get(
+            engines[0].contract_sample.remote(
+                prompt, temperature, args.rollout.top_p, getattr(args.rollout, "top_k", 0) or 0, SYNC_CANARY_TOKENS
+            )
+        )
+        logits = self._eval_logits(torch.tensor([prompt + sample["tokens"]]))
+        if torch.distributed.get_rank() != 0 or not sample["tokens"]:
+            return None
+        n = len(sample["tokens"])
+        rows = logits[0, len(prompt) - 1 : len(prompt) - 1 + n].float()
+        tokens = torch.tensor(sample["tokens"], device=rows.device)
+        if masked:
+            kept = torch.tensor(sample["ranks"], device=rows.device)
+            ours = maths.masked_log_probs(rows, tokens, kept, temperature)
+        else:
+            ours = (rows / temperature).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+        diff = (ours.cpu() - torch.tensor(sample["logprobs"])).abs().mean().item()
+        tol = args.vllm.sync_check_tol
+        if not (math.isfinite(diff) and diff <= tol):
+            raise RuntimeError(
+                f"start-up self-check failed (engine contract): {n} tokens sampled by vLLM engine 0 with the run's "
+                f"settings (temperature {temperature}, top-p {args.rollout.top_p}, top-k "
+                f"{getattr(args.rollout, 'top_k', 0)}) have log-probs mu {diff:.3f} nats (mean |diff|) away from the "
+                f"trainer's forward of the same tokens{' over the kept support' if masked else ''}, above "
+                f"--vllm.sync_check_tol {tol}. The engine does not return the log-probs of the distribution it "
+                "sampled from as the trainer computes them (logprobs mode, temperature handling, or the sampler's "
+                "kept counts): every importance weight would be off. Check the vLLM version (pinned: 0.29 on GPU), "
+                "or skip with --selfcheck off."
+            )
+        return diff
+
+    def _check_canary(self, startup: bool = False) -> None:
+        t0 = time.time()
+        model = self.trainer.actor.model
+        vocab = model.module.config.vocab_size
+        g = torch.Generator().manual_seed(1234)
+        ids = torch.randint(min(4, vocab - 1), vocab, (1, SYNC_CANARY_TOKENS), generator=g)
+        logits = self._eval_logits(ids)
         if torch.distributed.get_rank() != 0:
             return
         ours = logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
@@ -226,6 +295,15 @@ class WeightSync:
         tol = self.args.vllm.sync_check_tol
         # NaN compares False with everything: a NaN diff (NaN weights on either side) must fail too
         bad = [i for i, d in enumerate(diffs) if not (math.isfinite(d) and d <= tol)]
+        if bad and startup:
+            raise RuntimeError(
+                f"start-up self-check failed (engine contract): before any weight sync, vLLM engine(s) {bad} give "
+                f"canary log-probs {max(diffs):.3f} nats (mean |diff|) away from the trainer's forward of the same "
+                f"tokens, above --vllm.sync_check_tol {tol}, although both loaded the same model. The engine computes "
+                f"another function than the trainer (engine dtype --vllm.dtype {self.args.vllm.dtype!r} vs "
+                f"--ds.param_dtype, a kernel or LM-head difference): align the dtypes, raise --vllm.sync_check_tol if "
+                "the gap is expected, or skip with --selfcheck off."
+            )
         if bad:
             raise RuntimeError(
                 f"weight sync check failed after version {self.trainer.weight_version}: vLLM engine(s) {bad} give "

@@ -109,7 +109,7 @@ def main() -> None:
         "states": states,
         "sequences": batch.sequences,
         "n_actions": batch.action_mask.shape[1],
-        "ewma": trainer.ewma.state() if trainer.ewma is not None else None,
+        "ewma": dict(trainer.ewma.state().items()) if trainer.ewma is not None else None,  # materialised: a dict
         "metrics": trainer.prox_metrics(),
         "step_states": step_states,
         "partitioned": sum(1 for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel),

@@ -1,8 +1,10 @@
 """A multi-node Ray cluster on this machine, for one test: a head and worker nodes started with `ray start` on
 127.0.0.1, each with its own resources (and environment), all under one temp dir of the test's.
 
-Stopped exactly: every process whose command line names that temp dir (the raylets, GCS, workers of the cluster
-and nothing else), SIGTERM then SIGKILL, on every exit; the test fails if one survives.
+Stopped exactly: every process that carries this cluster's token in its environment (set for `ray start`, so
+inherited by every daemon, worker and helper it spawns, even re-parented ones such as Ray's client server) or whose
+command line names the cluster's temp dir, and nothing else; SIGTERM then SIGKILL, on every exit; the test fails if
+one survives.
 """
 
 from __future__ import annotations
@@ -24,9 +26,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+TOKEN_ENV = "OPENRLHF_ESS_TEST_RAY_CLUSTER"
+
+
 def _pids_naming(text: str) -> List[int]:
-    out = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if text in line and str(os.getpid()) != line.split()[0]]
+    """This cluster's processes: ``text`` (its temp dir) in the command line or as the token in the environment."""
+    import psutil
+
+    pids = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.pid == os.getpid():
+            continue
+        try:
+            if text in " ".join(p.info["cmdline"] or []) or p.environ().get(TOKEN_ENV) == text:
+                pids.append(p.pid)
+        except psutil.Error:
+            continue
+    return pids
 
 
 @contextlib.contextmanager
@@ -36,7 +52,7 @@ def ray_cluster(head: Dict, workers: List[Dict] = (), dashboard: bool = False):
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     temp_dir = tempfile.mkdtemp(prefix="ray_c_", dir="/tmp")  # short: Ray's socket paths are length-limited
     port, dash = free_port(), free_port()
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_process_group_cleanup_enabled": "true"}
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_process_group_cleanup_enabled": "true", TOKEN_ENV: temp_dir}
     base.pop("RAY_ADDRESS", None)
 
     def start(node: Dict, extra: List[str]) -> None:
