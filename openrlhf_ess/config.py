@@ -15,6 +15,8 @@ from typing import List
 from openrlhf_ess import cpu_compat, upstream
 
 RELOAD_BACKEND = "reload"
+# --reward.timeout_s default: upstream's own bound on an HTTP reward request (aiohttp total timeout, utils/agent.py)
+REWARD_TIMEOUT_S = 180.0
 
 
 class ConfigError(ValueError):
@@ -82,6 +84,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "exception and leaves the reward None) or returns NaN/inf: drop = mask the sample out of the loss with "
         "reward 0 and count it (metric reward_failed); stop = end the run with the prompt in the message; "
         "off = upstream behaviour (a None reward crashes later with an unrelated error; NaN trains on NaN).",
+    )
+    group.add_argument(
+        "--reward.timeout_s",
+        type=float,
+        default=REWARD_TIMEOUT_S,
+        help="Bound, in seconds, on each call of the reward function of a --reward.remote_url .py file (one call per "
+        "sample, in the vLLM engine). A call still running after 30 s is logged with the file's name; one that "
+        "exceeds the bound, or raises SystemExit / another BaseException (sys.exit() would otherwise hang the run), "
+        "is a failed reward: the run stops naming the file, or with --reward.failure_policy drop the sample is "
+        "dropped. Default 180, upstream's own bound on an HTTP reward request; inf = no bound. Cost: none (a "
+        "timed-out call's thread cannot be stopped and finishes in the background).",
     )
     group.add_argument(
         "--algo.nonfinite_logprobs",
@@ -348,8 +361,10 @@ def add_sampling_mask_arguments(parser: argparse.ArgumentParser) -> None:
         "top-k_t tokens of its own logits, renormalised. TIS, ESS-LR, the mismatch metrics and the PPO ratio "
         "then compare distributions on the same support, and the gradient is the truncated policy's. Also "
         "removes the first response token's EOS ban (upstream's min_tokens=1) from the mismatch. Metric: "
-        "sampling_mask/log_kept_mass (mean log Z_t of pi_theta). Cost: a top-k of the [V] logits at each "
-        "response token in the actor's forwards.",
+        "sampling_mask/log_kept_mass (mean log Z_t of pi_theta). The engine runs vLLM's V1 model runner "
+        "(VLLM_USE_V2_MODEL_RUNNER=0, set by the engine) and proves its kept counts at start-up. Cost: the "
+        "actor's log-prob step, forward + backward, 0.7-1.2x upstream's at V = 151,936 on CPU; backward memory one "
+        "logits-sized gradient, as upstream's (docs/sampling_mask.md).",
     )
     group.add_argument(
         "--rollout.top_k",
@@ -387,6 +402,14 @@ def mu_consumers(args: types.SimpleNamespace) -> List[str]:
     if sampling_mask_on(args):
         out.append("--algo.sampling_mask keep")
     return out
+
+
+def reward_file(args: types.SimpleNamespace):
+    """The reward .py file upstream's single-turn executor imports (--reward.remote_url, no agent), or None."""
+    urls = args.reward.remote_url
+    if not urls or args.train.agent_func_path or not urls[0].endswith(".py"):
+        return None
+    return urls[0]
 
 
 def needs_rollout_logprobs(args: types.SimpleNamespace) -> bool:
@@ -454,6 +477,19 @@ def validate_before_upstream(flat: argparse.Namespace) -> None:
             "no reward source: pass --reward.remote_url (an HTTP reward server or a .py file with "
             "reward_func), --reward.model_name_or_path (a reward model) or --train.agent_func_path."
         )
+    # Upstream divides by both: its post-parse check by --rollout.micro_batch_size, DeepSpeed's gradient
+    # accumulation (train_batch_size // micro_batch_size // world_size) by --train.micro_batch_size; 0 was a
+    # ZeroDivisionError (issue 21, item 10).
+    for flag, what in (
+        ("rollout.micro_batch_size", "samples per forward of the experience maker, per GPU"),
+        ("train.micro_batch_size", "samples per forward/backward of a training step, per GPU"),
+    ):
+        value = get(flag)
+        if value is not None and value < 1:
+            raise ConfigError(
+                f"--{flag} {value}: must be >= 1 ({what}; upstream divides by it). The default is 1; raise it for "
+                "throughput, as memory allows."
+            )
 
 
 def validate(args: types.SimpleNamespace) -> List[str]:
@@ -469,6 +505,11 @@ def validate(args: types.SimpleNamespace) -> List[str]:
         raise ConfigError(
             f"--reward.failure_policy {args.reward.failure_policy} watches rule-based rewards (--reward.remote_url "
             "or --train.agent_func_path); a reward model has no per-sample failures to catch. Drop the flag."
+        )
+    if not args.reward.timeout_s > 0:  # NaN fails too
+        raise ConfigError(
+            f"--reward.timeout_s must be > 0 seconds (inf = no bound), got {args.reward.timeout_s}: it bounds each "
+            "call of the reward function."
         )
     if args.vllm.sync_check_tol < 0:
         raise ConfigError(
@@ -581,6 +622,15 @@ def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> Non
         raise ConfigError("--algo.tis_level is set but --algo.tis_cap is not: add --algo.tis_cap C (e.g. 2).")
     if algo.max_version_lag is not None and algo.max_version_lag < 0:
         raise ConfigError(f"--algo.max_version_lag must be >= 0, got {algo.max_version_lag}.")
+    if algo.max_version_lag == 0 and args.train.async_enable:
+        # Found only after step 1 otherwise: the batch of step 2 was generated while step 1 trained, so every
+        # token is one sync old and the experience maker stops the run (an update over zero tokens).
+        raise ConfigError(
+            "--algo.max_version_lag 0 with --train.async_enable: the async generator samples each batch while the "
+            "trainer still trains the one before, so from step 2 on every token is at least 1 weight sync old and "
+            "all would be masked (the run would stop after step 1). Use --algo.max_version_lag 1 or more with "
+            "async training, or drop --train.async_enable for fully on-policy steps."
+        )
     if algo.kl.off_policy_k2_enable:
         if not algo.kl.use_loss or algo.kl.init_coef <= 0:
             raise ConfigError(

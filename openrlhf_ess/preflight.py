@@ -10,23 +10,32 @@ What is checked, cheapest first (folders are created last, so a run stopped by a
 1. every float flag finite: NaN never (every comparison with NaN is false, so ``tol > 0`` silently turns a check
    off); +-inf only where it means "no bound" (:data:`INF_MEANS_NO_BOUND`);
 2. step and sampling flags that upstream divides by or vLLM rejects mid-run (``--rollout.temperature 0``: the
-   trainer divides logits by it, and mu of a greedy sample is degenerate);
+   trainer divides logits by it, and mu of a greedy sample is degenerate; below vLLM's floor 0.01 the engine
+   samples at 0.01);
 3. model folders (config.json, weights, the tokenizer upstream loads) or hub ids (cache, HF_HUB_OFFLINE); no
-   network access is attempted;
+   network access is attempted; ``--data.max_len`` within the context vLLM accepts for the model;
 4. prompt files as upstream's ``blending_datasets`` reads them (.jsonl/.json/.csv/.parquet/.arrow, folders): they
    parse, every record has ``--data.input_key`` (and ``--data.label_key``), no prompt is empty. Streamed; each
-   file is read up to ``--data.max_samples`` records (100k JSON lines take ~0.3 s);
+   file is read up to ``--data.max_samples`` records (100k JSON lines take ~0.3 s); a folder's files are those
+   datasets' loader reads (one format, the split's files: :func:`_loader_files`);
 5. the reward .py (``--reward.remote_url``): compiles, imports, defines ``reward_func`` callable as upstream
-   calls it, and one dry call (see :func:`_dry_call_reward`); the agent .py (``--train.agent_func_path``):
+   calls it, and one dry call whose values training can use (see :func:`_dry_call_reward`); the agent .py
+   (``--train.agent_func_path``):
    compiles and defines ``AgentExecutor``;
 6. output, checkpoint and log folders: created, a probe file written and removed (the final save must not be
-   the first write to its folder: an unwritable one would lose the trained model).
+   the first write to its folder: an unwritable one would lose the trained model); none of them is, holds or lies
+   inside a model, prompt, reward or agent path (:func:`_check_outputs_are_not_inputs`);
+7. ``--ckpt.load_enable``: the checkpoint a resume would load was written with the same ZeRO layout
+   (:func:`_check_resume_checkpoint`; which one is loaded, and broken ones, are ``trainer/resume.py``'s);
+8. a torch extension build lock left by a run killed during a DeepSpeed op's JIT build (every later run would
+   wait on it forever) is removed with a notice, or named (``openrlhf_ess/build_locks.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import csv
 import glob
 import inspect
@@ -40,7 +49,7 @@ import time
 import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from openrlhf_ess import config, upstream
+from openrlhf_ess import build_locks, config, upstream
 from openrlhf_ess.config import ConfigError
 
 # Float flags where +-inf is a meaningful value ("no bound"); NaN is rejected everywhere.
@@ -50,6 +59,7 @@ INF_MEANS_NO_BOUND = {
     "algo.advantage.is_correction_threshold": "inf HIGH: no upper bound on the IS statistic",
     "algo.dynamic_filtering_range": "-inf/inf: that side of the kept reward range is open",
     "algo.tis_cap": "inf: untruncated importance weights",
+    "reward.timeout_s": "inf: no bound on a reward function call",
 }
 _FLOAT_HINTS = {"vllm.sync_check_tol": "0 disables the weight-sync check"}
 
@@ -57,6 +67,9 @@ DATA_EXTS = (".json", ".jsonl", ".csv", ".parquet", ".arrow")  # upstream's blen
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 REWARD_IMPORT_TIMEOUT_S = 10.0
 REWARD_CALL_TIMEOUT_S = 5.0
+# vLLM raises a sampling temperature in (0, this) to it (vllm/sampling_params.py: _MAX_TEMP = 1e-2, "maxed it out");
+# tests/test_preflight.py checks it against the installed vLLM.
+VLLM_MIN_TEMPERATURE = 0.01
 
 
 def check(args: types.SimpleNamespace) -> List[str]:
@@ -67,10 +80,14 @@ def check(args: types.SimpleNamespace) -> List[str]:
     _check_steps(args)
     _check_sampling(args)
     tokenizer = _check_models(args, notices)
+    _check_max_len(args)
     data = _check_prompt_datasets(args, tokenizer, notices)
     reward = _check_reward_file(args, tokenizer, data.first, notices)
     _check_agent_file(args)
+    _check_outputs_are_not_inputs(args)
+    _check_resume_checkpoint(args, notices)
     folders = _check_writable_dirs(args)
+    build_locks.clear_stale(notices)  # a lock left by a run killed during a DeepSpeed op's JIT build: a hang
     notices.append(
         f"pre-flight checks passed in {time.perf_counter() - start:.1f} s: {data.summary()}"
         f"{'; ' + reward if reward else ''}; {len(folders)} output folder(s) writable."
@@ -176,6 +193,18 @@ def _check_sampling(args: types.SimpleNamespace) -> None:
         raise ConfigError(
             f"--rollout.temperature 0: {nan} and the first update into NaN. Use a temperature > 0 (1.0 samples the "
             "policy itself; below 1 sharpens it). Greedy decoding is for evaluation: --eval.temperature 0."
+        )
+    if rollout.temperature < VLLM_MIN_TEMPERATURE:
+        # vLLM's SamplingParams raises 0 < T < 0.01 to 0.01 (_MAX_TEMP, a warning inside the engine actor's log) while
+        # the trainer divides the logits by the flag's T: pi and mu would be different distributions (measured at
+        # T = 0.001: mismatch/k1 2288, grad norm 5e5). Refused rather than raised to the floor for both: a run at
+        # a temperature other than the one asked for would look right and not be.
+        raise ConfigError(
+            f"--rollout.temperature {rollout.temperature}: below vLLM's floor {VLLM_MIN_TEMPERATURE}. vLLM samples at "
+            f"{VLLM_MIN_TEMPERATURE} instead (it raises any temperature in (0, {VLLM_MIN_TEMPERATURE}) to it) while "
+            "the trainer scores with logits / --rollout.temperature, so the engine's and the trainer's distributions "
+            f"would differ (mu and pi of different temperatures: huge importance ratios and gradients). Use "
+            f"--rollout.temperature >= {VLLM_MIN_TEMPERATURE}."
         )
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"--rollout.top_p {rollout.top_p}: must be in (0, 1] (vLLM rejects it; 1 = no nucleus cut).")
@@ -332,6 +361,86 @@ def _load_tokenizer(flag: str, path: str, args):
             "files (tokenizer.json, tokenizer_config.json, vocab files). Copy them from the base model."
         )
     return tokenizer
+
+
+# vLLM's keys for a model's context length (transformers_utils/model_arch_config_convertor.py:
+# derive_max_model_len_and_key, the smallest wins) and the RoPE types whose `factor` does not extend it.
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+_ROPE_NOT_SCALING = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def _model_folder(path: str) -> Optional[str]:
+    """The local folder of a model flag: the folder itself, or a hub id's cached snapshot; None if neither."""
+    if os.path.isdir(path):
+        return path
+    if not _hub_id_form(path):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(path, "config.json")
+    return os.path.dirname(cached) if isinstance(cached, str) else None
+
+
+def model_max_len(folder: str) -> Optional[Tuple[float, str]]:
+    """The longest sequence vLLM accepts for the model in ``folder`` as max_model_len, and the key it comes from,
+    as vLLM derives it (``vllm/config/model.py::_get_and_verify_max_len``): the smallest of the context-length keys
+    of the (text) config times a RoPE scaling factor (a generative model's tokenizer_config.json is not read); None
+    if the config names no length (vLLM then accepts any)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    found = [(text[k], k) for k in _MAX_LEN_KEYS if isinstance(text.get(k), (int, float))]
+    if not found:
+        return None
+    length, key = min(found)
+    if isinstance(text.get("model_max_length"), (int, float)) and text["model_max_length"]:
+        length, key = text["model_max_length"], "model_max_length"  # vLLM: Command-R's key overrides
+    rope = text.get("rope_parameters") or text.get("rope_scaling")
+    if isinstance(rope, dict) and "gemma3" not in str(cfg.get("model_type", "")):
+        layers = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+        factor = 1.0
+        for rp in layers:
+            if rp.get("rope_type", rp.get("type", "default")) not in _ROPE_NOT_SCALING:
+                factor = rp.get("factor", factor) or 1.0
+        if factor != 1.0:
+            length, key = length * factor, f"{key} x RoPE factor {factor}"
+    return length, key
+
+
+def _check_max_len(args: types.SimpleNamespace) -> None:
+    """--data.max_len is the engines' max_model_len (upstream's create_vllm_engines): beyond the model's context
+    vLLM refuses it at start-up with only "1 validation error for ModelConfig" (issue 21, item 10)."""
+    if args.vllm.num_engines is None or args.vllm.num_engines < 1 or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        return
+    path = args.actor.model_name_or_path
+    folder = _model_folder(path)
+    found = model_max_len(folder) if folder else None
+    if found is None or args.data.max_len <= found[0]:
+        return
+    with open(os.path.join(folder, "config.json")) as f:
+        top_max = json.load(f).get("model_max_length")  # vLLM lets the top-level key allow more
+    if isinstance(top_max, (int, float)) and args.data.max_len <= top_max:
+        return
+    length, key = found
+    raise ConfigError(
+        f"--data.max_len {args.data.max_len}: longer than the context of --actor.model_name_or_path {path} "
+        f"({key} = {int(length)} in its config). --data.max_len (prompt + response) is the vLLM engines' "
+        "max_model_len, which vLLM refuses beyond the model's context (its message is only '1 validation error "
+        f"for ModelConfig'), and positions past it are untrained. Use --data.max_len <= {int(length)}."
+    )
 
 
 # ---- 4. prompt datasets -----------------------------------------------------------------------------------------
@@ -635,7 +744,7 @@ def _check_dataset(flag, spec, data_dir, split, split_flag, args, notices, data:
             )
         return _check_files(flag, files, args, data)
     if os.path.isdir(spec):
-        return _check_folder(flag, spec, data_dir, split, split_flag, args, data)
+        return _check_folder(flag, spec, data_dir, split, split_flag, args, data, notices)
     if os.path.exists(spec):
         raise ConfigError(
             f"{flag} {spec}: unsupported file type {ext or '(no extension)'!r}; upstream reads .json, .jsonl, .csv, "
@@ -669,7 +778,7 @@ def _check_files(flag: str, files: List[str], args, data: _Data):
     return first
 
 
-def _check_folder(flag, spec, data_dir, split, split_flag, args, data: _Data):
+def _check_folder(flag, spec, data_dir, split, split_flag, args, data: _Data, notices: List[str]):
     saved = [n for n in ("dataset_dict.json", "state.json") if os.path.exists(os.path.join(spec, n))]
     if saved:  # a dataset written by datasets' save_to_disk: upstream's load_from_disk
         import datasets
@@ -706,7 +815,72 @@ def _check_folder(flag, spec, data_dir, split, split_flag, args, data: _Data):
             f"{flag} {spec}: the folder{' ' + repr(data_dir) if data_dir else ''} holds no data files (.jsonl, .json, "
             ".csv, .parquet, .arrow) and is not a saved HF dataset. Point it at the prompt file."
         )
-    return _check_files(flag, files, args, data)
+    read = _loader_files(flag, spec, data_dir, split, split_flag, files, notices)
+    return _check_files(flag, read, args, data)
+
+
+def _loader_files(flag, spec, data_dir, split, split_flag, walked: List[str], notices: List[str]) -> List[str]:
+    """The files of a folder that upstream's loader reads: ``load_dataset(folder, data_dir=...)`` (blending_datasets),
+    whose module factory picks ONE format, the folder's most common extension (datasets' load.py:
+    infer_module_for_data_files_list), and assigns files to splits by name (train/test/validation...), of which
+    upstream keeps --data.prompt_split. A data file of another format would be skipped without a word and
+    pre-flight would count prompts never trained (issue 21, item 6): refused, naming the files and the fix; files of
+    other splits are a notice (HF's naming convention), and not counted."""
+    from datasets.load import LocalDatasetModuleFactory
+
+    try:
+        module = LocalDatasetModuleFactory(spec, data_dir=data_dir).get_module()
+    except Exception as e:
+        raise ConfigError(
+            f"{flag} {spec}: datasets cannot load the folder as upstream does ({_first_line(e)})."
+        ) from None
+    params = module.builder_configs_parameters
+    configs = {c.name: c for c in params.builder_configs}
+    config_ = configs.get(params.default_config_name) or params.builder_configs[0]
+    splits = {str(name): [os.path.realpath(f) for f in files] for name, files in (config_.data_files or {}).items()}
+    fmt = module.module_path.split(".")[-1]  # datasets.packaged_modules.json.json -> json
+    base = os.path.join(spec, data_dir) if data_dir else spec
+
+    def names(paths) -> str:
+        shown = [os.path.relpath(p, os.path.realpath(base)) for p in sorted(paths)]
+        return ", ".join(shown[:6]) + (f" and {len(shown) - 6} more" if len(shown) > 6 else "")
+
+    from datasets.packaged_modules import _MODULE_TO_EXTENSIONS
+
+    every = {f for files in splits.values() for f in files}
+    skipped = [f for f in map(os.path.realpath, walked) if f not in every]
+    of_format = set(_MODULE_TO_EXTENSIONS.get(fmt, []))
+    same_format = [f for f in skipped if os.path.splitext(f)[1].lower() in of_format]  # hidden folders, say
+    skipped = [f for f in skipped if f not in same_format]
+    if same_format:
+        notices.append(f"{flag} {spec}: datasets' loader does not read {names(same_format)} (not counted).")
+    read = splits.get(split, [])
+    unchecked = sorted({os.path.splitext(f)[1].lower() for f in read} - set(_FILE_CHECKS))
+    if skipped or unchecked:
+        present = sorted(set(map(os.path.realpath, walked)) | set(read))
+        exts = collections.Counter(os.path.splitext(f)[1].lower() for f in present)
+        counts = ", ".join(f"{n} {ext}" for ext, n in sorted(exts.items()))
+        other = skipped or sorted(set(present) - set(read))
+        listed = ",".join(os.path.join(spec, os.path.relpath(f, os.path.realpath(spec))) for f in present)
+        raise ConfigError(
+            f"{flag} {spec}: the folder holds data files of {len(exts)} formats ({counts}); upstream's loader "
+            f"(datasets.load_dataset on a folder) reads only the most common one ({fmt}: {names(read)}) and would "
+            f"skip {names(other)} without a word, so those prompts would never be trained. Keep one format per "
+            "folder, or pass the files themselves (each is loaded, then they are concatenated): "
+            f"--data.prompt_dataset {listed if len(present) <= 4 else 'FILE1,FILE2,...'}."
+        )
+    if split not in splits:
+        raise ConfigError(
+            f"{split_flag} {split}: {flag} {spec} has the splits {', '.join(splits)} (datasets names them after the "
+            f"files: train*, test*, validation*...), not {split!r}; set {split_flag} to one of them."
+        )
+    if len(splits) > 1:
+        others = [f for name, files in splits.items() if name != split for f in files]
+        notices.append(
+            f"{flag} {spec}: datasets assigns files to splits by their names; training reads split {split!r} "
+            f"({split_flag}): {names(read)}; not read (and not counted): {names(others)}."
+        )
+    return sorted(read)
 
 
 def _check_first_prompt(args, tokenizer, data: _Data) -> None:
@@ -882,7 +1056,46 @@ def _reward_probe(path: str, query: str, prompt: str, label: Any, conn) -> None:
     if not isinstance(out, dict):
         conn.send(("returned", type(out).__name__, None))
         return
-    conn.send(("returned", "dict", {k: _describe_count(out[k]) for k in ("rewards", "scores") if k in out}))
+    # upstream reads out["scores"], or out["rewards"] when it is None or missing
+    keys = [k for k in REWARD_KEYS if k in out and not (k == "scores" and out[k] is None)]
+    detail = {k: (*_describe_count(out[k]), _as_training_tensor(out[k]), repr(out[k])[:80]) for k in keys}
+    detail["extra_logs"] = _extra_logs_error(out.get("extra_logs"))
+    conn.send(("returned", "dict", detail))
+
+
+REWARD_KEYS = ("rewards", "scores")
+
+
+def _as_training_tensor(value: Any) -> Optional[str]:
+    """What training does with a returned 'rewards'/'scores' value of one query: upstream's
+    ``SamplesGenerator._process_response_into_experience`` builds ``torch.tensor([value])``; the error it raises
+    (``ValueError: too many dimensions 'str'`` for a list of strings), or None if it works."""
+    import torch
+
+    try:
+        torch.tensor([value])
+    except Exception as e:
+        return _first_line(e)
+    return None
+
+
+def _extra_logs_error(extra: Any) -> Optional[str]:
+    """Upstream logs each extra_logs value as ``torch.tensor([value])`` (a tensor's first element); its error."""
+    if not extra:
+        return None
+    if not isinstance(extra, dict):
+        return f"'extra_logs' is a {type(extra).__name__}, not a dict (upstream calls extra_logs.items())"
+    import torch
+
+    for key, value in extra.items():
+        if isinstance(value, torch.Tensor):
+            if value.numel() == 0:
+                return f"extra_logs[{key!r}] is an empty tensor (upstream logs value.flatten()[0])"
+            value = value.flatten()[0].item()
+        error = _as_training_tensor(value)
+        if error:
+            return f"extra_logs[{key!r}] = {repr(value)[:60]}: torch.tensor([value]) fails with {error}"
+    return None
 
 
 def _dry_call_reward(flag, path, args, query, prompt, label, notices: List[str]) -> Optional[str]:
@@ -974,13 +1187,25 @@ def _reward_verdict(flag, path, args, report, notices: List[str]) -> Optional[st
             f"{flag} {path}: reward_func returned a dict without 'rewards' on a dry call; upstream reads "
             "out['rewards'] (one value per query; 'scores' defaults to it)."
         )
-    for key, (kind, count) in detail.items():
+    extra_error = detail.pop("extra_logs", None)
+    for key, (kind, count, tensor_error, shown) in detail.items():
         if count != 1:
             got = f"{count} values" if count is not None else f"a {kind}"
             raise ConfigError(
                 f"{flag} {path}: reward_func returned {got} as '{key}' for 1 query on a dry call; upstream calls it "
                 f"with one query at a time and needs exactly one number per query (torch.tensor([{key}]))."
             )
+        if tensor_error:  # one value, but not a number: e.g. ['0.5'], which training cannot turn into a tensor
+            raise ConfigError(
+                f"{flag} {path}: reward_func returned {shown} as '{key}' on a dry call; training turns it into "
+                f"torch.tensor([{key}]) (upstream's SamplesGenerator), which fails: {tensor_error}. Return one number "
+                "per query (a float, or a torch tensor of one float)."
+            )
+    if extra_error:
+        raise ConfigError(
+            f"{flag} {path}: reward_func's {extra_error} on a dry call; training logs every extra_logs value as a "
+            "number. Return numbers (floats or one-element tensors) in extra_logs."
+        )
     return "reward_func dry call returned 1 reward for 1 query"
 
 
@@ -1047,3 +1272,99 @@ def _check_writable_dirs(args: types.SimpleNamespace) -> List[str]:
             ) from None
         checked.append(folder)
     return checked
+
+
+# ---- 7. outputs are never inputs (issue 21, item 1) -----------------------------------------------------------------
+
+
+def _local_prefix(spec: str) -> str:
+    """The part of a path before its first glob character's folder (``data/*.jsonl`` -> ``data``)."""
+    while spec and glob.has_magic(spec):
+        spec = os.path.dirname(spec)
+    return spec
+
+
+def input_paths(args: types.SimpleNamespace) -> List[Tuple[str, str, str]]:
+    """(flag, path, what it is) for every input of the run that is a path on this machine."""
+    found = [("--actor.model_name_or_path", args.actor.model_name_or_path, "the policy and reference model")]
+    if args.critic.model_name_or_path:
+        found.append(("--critic.model_name_or_path", args.critic.model_name_or_path, "the critic model"))
+    if args.reward.model_name_or_path and not args.reward.remote_url:
+        found.append(("--reward.model_name_or_path", args.reward.model_name_or_path, "the reward model"))
+    for flag, value in (("--data.prompt_dataset", args.data.prompt_dataset), ("--eval.dataset", args.eval.dataset)):
+        for entry in (value or "").split(","):
+            found.append((flag, _local_prefix(entry.split("@")[0].strip()), "prompts"))
+    for url in args.reward.remote_url or []:
+        found.append(("--reward.remote_url", url, "the reward function"))
+    if args.train.agent_func_path:
+        found.append(("--train.agent_func_path", args.train.agent_func_path, "the agent"))
+    return [(flag, path, what) for flag, path, what in found if path and os.path.exists(path)]
+
+
+# Roots under which a tool writes only its own subfolder (wandb/, Ray's session_*/): one that contains an input
+# (WANDB_DIR=$HOME, say) touches nothing of it; being an input folder, or inside one, is still refused.
+_ROOT_OUTPUTS = ("WANDB_DIR", "--ray.temp_dir")
+
+
+def _inside(child: str, parent: str) -> bool:
+    return child != parent and os.path.commonpath([child, parent]) == parent
+
+
+def _check_outputs_are_not_inputs(args: types.SimpleNamespace) -> None:
+    """No output, checkpoint or log folder is, contains or lies inside a model, prompt, reward or agent path.
+
+    ``--ckpt.output_dir`` equal to ``--actor.model_name_or_path`` overwrote the input model (weights, config.json's
+    dtype, tokenizer files) with the trained bf16 one, with exit 0; a folder that contains an input can lose it to
+    upstream's rotation of old checkpoints (it deletes folders) or to save_pretrained's removal of old weight files.
+    Paths are compared after resolving symlinks (``_ROOT_OUTPUTS`` may contain inputs). Checked before any folder
+    is created."""
+    inputs = [(flag, path, what, os.path.realpath(path)) for flag, path, what in input_paths(args)]
+    for out_flag, out, writes in output_dirs(args):
+        real_out = os.path.realpath(out)
+        for in_flag, path, what, real_in in inputs:
+            if real_out == real_in:
+                relation = "is"
+            elif _inside(real_in, real_out) and out_flag not in _ROOT_OUTPUTS:
+                relation = "contains"
+            elif _inside(real_out, real_in):
+                relation = "is inside"
+            else:
+                continue
+            raise ConfigError(
+                f"{out_flag} {out} {relation} {in_flag} {path} ({what}). {out_flag} receives {writes}: writing "
+                "there can overwrite or delete the input (the final save replaces weights, config.json and tokenizer "
+                "files; upstream rotates old checkpoints by deleting folders). Outputs are never inputs: choose an "
+                f"{out_flag} that neither is, contains nor lies inside an input (e.g. a new folder next to it)."
+            )
+
+
+# ---- 8. the checkpoint a resume loads (issue 21, item 10) ---------------------------------------------------------
+
+
+def _check_resume_checkpoint(args: types.SimpleNamespace, notices: List[str]) -> None:
+    """--ckpt.load_enable: the checkpoint the resume will load (``trainer/resume.py::plan``: the newest complete one)
+    has the ZeRO layout of this run. ZeRO-3 partitions the weights into one model states file per rank, ZeRO-0/1/2
+    keep them whole: DeepSpeed cannot load one into the other and fails on a policy rank at start-up. Broken
+    checkpoints are not refused here: the resume moves them aside and loads the newest complete one."""
+    if not args.ckpt.load_enable:
+        return
+    from openrlhf_ess.trainer import resume
+
+    found = resume.plan(args.ckpt.path, need_sidecar=resume.applies(args))
+    if found is None or found.newest is None:
+        return
+    folder = os.path.join(found.folder, resume.tag_of(found.newest))
+    try:
+        layout = resume.checkpoint_layout(folder)
+    except ValueError:
+        return  # unreadable: the resume moves it aside (plan saw it whole only if it could not inspect it)
+    if layout is None:
+        return
+    saved, now = layout["zero_stage"], args.ds.zero_stage
+    if (saved == 3) != (now == 3):
+        what = f"ZeRO-3's partitioned weights into ZeRO-{now}" if saved == 3 else "whole-model weights into ZeRO-3"
+        raise ConfigError(
+            f"--ckpt.load_enable: the checkpoint {folder} (--ckpt.path {args.ckpt.path}) was written with ZeRO stage "
+            f"{saved}, but this run has --ds.zero_stage {now}: DeepSpeed cannot load {what}. Resume with "
+            f"--ds.zero_stage {saved}, or drop --ckpt.load_enable (or pass another --ckpt.path) to start fresh."
+        )

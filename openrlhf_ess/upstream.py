@@ -190,6 +190,20 @@ def create_vllm_engines_with(actor_cls: Any) -> Callable:
     return rebind(vllm_engine.create_vllm_engines, {"RolloutRayActor": actor_cls})
 
 
+def rollout_actor_init_with(executor_factory: Callable) -> Callable:
+    """Upstream's ``RolloutRayActor.__init__`` building its single-turn executor (the one that calls the reward
+    function of ``--reward.remote_url``) with ``executor_factory(remote_rm_url)`` instead of upstream's
+    ``SingleTurnAgentExecutor`` (``openrlhf_ess/utils/agent.py``: the bounded reward call)."""
+    from openrlhf.trainer.ray import vllm_engine
+
+    init = ray_actor_class(vllm_engine.RolloutRayActor).__init__
+    if "SingleTurnAgentExecutor" not in init.__code__.co_names:
+        raise RuntimeError(
+            "upstream's RolloutRayActor.__init__ no longer builds SingleTurnAgentExecutor; see upstream.py"
+        )
+    return rebind(init, {"SingleTurnAgentExecutor": executor_factory})
+
+
 def with_actor_trainer(init: Callable, trainer_cls: type) -> Callable:
     """``PolicyModelActor.init_model_from_pretrained`` building ``trainer_cls`` as its trainer."""
     return rebind(init, {"ActorPPOTrainer": trainer_cls})
@@ -232,3 +246,17 @@ def reference_actor_class() -> type:
     from openrlhf.trainer.ray.launcher import ReferenceModelActor
 
     return ray_actor_class(ReferenceModelActor)
+
+
+def unwrap_model(strategy: Any, model: Any) -> Any:
+    """The Hugging Face model inside upstream's wrapping (``DeepspeedStrategy._unwrap_model``): the one whose
+    ``save_pretrained`` upstream's ``save_model`` calls on rank 0 (``trainer/saving.py`` injects faults there)."""
+    return strategy._unwrap_model(model)
+
+
+def save_model_barrier() -> None:
+    """The barrier every rank reaches at the end of upstream's ``DeepspeedStrategy.save_model``, after rank 0 wrote
+    (``trainer/saving.py``: rank 0 joins it itself when its write raised)."""
+    from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
+
+    torch_dist_barrier_and_cuda_sync()

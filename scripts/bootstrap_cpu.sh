@@ -6,7 +6,16 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=$ROOT/.venv
 STAMP=$VENV/.openrlhf-ess-installed
 WANT=$(cat "$ROOT/requirements/cpu.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16)
+# DeepSpeed JIT-builds its CPU shm comm op on first use (34-60 s) under a lock file that a run killed meanwhile
+# leaves behind, hanging every later run: build it once here, into the folder scripts/env_cpu.sh points runs at.
+EXT=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
+build_ops() {
+  if [ ! -f "$EXT/deepspeed_shm_comm/deepspeed_shm_comm.so" ]; then
+    TORCH_EXTENSIONS_DIR=$EXT OMP_NUM_THREADS=1 "$VENV/bin/python" -m openrlhf_ess.tools.build_ops
+  fi
+}
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  build_ops
   exit 0
 fi
 echo "[bootstrap] installing the CPU stack into $VENV (pip; ~3-5 min on a fresh machine)"
@@ -24,3 +33,4 @@ $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $PIP install -q --no-deps -e "$ROOT"
 "$VENV/bin/python" -c "import torch, vllm, deepspeed, ray, openrlhf, openrlhf_ess; print('[bootstrap] ok: torch', torch.__version__, 'vllm', vllm.__version__)"
 echo "$WANT" > "$STAMP"
+build_ops

@@ -1,8 +1,17 @@
-"""Shared fixtures: the offline tiny world, built once per test session under pytest's temp dir."""
+"""Shared fixtures: the offline tiny world, built once per test session under pytest's temp dir; and the
+session-wide check that every process the tests start ends with them (tests/helpers/leak_check.py)."""
 
 import os
 
 import pytest
+
+# The session-wide check that no process a test started outlives the session (issue 21, item 12): pytest hooks.
+from tests.helpers.leak_check import (  # noqa: F401
+    pytest_runtest_logfinish,
+    pytest_runtest_logstart,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+)
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -7,6 +7,8 @@ is still alive after the run is reported as a leftover, then ended by that PID (
 
 import math
 import os
+import signal
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -48,6 +50,8 @@ def _check_fail_fast(run, marker):
     assert run.ended_at - os.stat(marker).st_mtime < 60
     # the dead engine's vLLM processes (EngineCore, its worker) went with it: nothing of the run is left
     assert not run.leftovers, run.leftovers
+    # nor their shared memory (issue 21, item 4): the killed engine's psm_*/sem.mp-* files, removed by the CLI
+    assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
 
 
 def test_engine_killed_mid_rollout_fails_fast(tiny_world, tmp_path):
@@ -88,6 +92,73 @@ def test_actor_died_message_from_nested_ray_errors():
     assert msg.startswith("the vLLM engine (RolloutRayActorImpl, pid 4242,")
     assert "its worker process has died" in msg and "Some common causes" not in msg
     assert "/tmp/ray_x/session_latest/logs" in msg and "--ckpt.load_enable" in msg
+
+
+SYS_EXIT_REWARD = """
+import sys
+
+import torch
+
+_calls = 0
+
+
+def reward_func(queries, prompts, labels):
+    global _calls
+    _calls += 1
+    if _calls >= 3:
+        sys.exit(3)
+    rewards = torch.tensor([0.5] * len(queries))
+    return {"rewards": rewards, "scores": rewards, "extra_logs": {}}
+"""
+
+
+@pytest.mark.slow
+def test_reward_sys_exit_stops_the_run_with_the_file_named(tiny_world, tmp_path):
+    """A reward function that calls sys.exit() from its 3rd call on (issue 21, item 8). Upstream's executor lets
+    SystemExit out of the engine actor's event loop and the run hangs forever with no line; ours catches it in
+    the reward's thread, and the run stops (--reward.failure_policy off) with our last line naming the file."""
+    run_dir = str(tmp_path)
+    reward = os.path.join(run_dir, "reward.py")
+    with open(reward, "w") as f:
+        f.write(SYS_EXIT_REWARD)
+    args = tiny_args(tiny_world, run_dir, steps_prompts=8)
+    args[args.index("--reward.remote_url") + 1] = reward
+    run = run_cli_tracked(args, run_dir, timeout=600)
+    assert not run.timed_out and run.rc == 1, run.log[-6000:]
+    ours = [line for line in run.log.splitlines() if line.startswith("openrlhf-ess: error:")]
+    assert len(ours) == 1, run.log[-6000:]
+    assert ours[0].startswith(f"openrlhf-ess: error: reward_func of --reward.remote_url {reward} line 13 "), ours
+    assert "raised SystemExit: 3" in ours[0] and "--reward.failure_policy drop" in ours[0], ours
+    assert "Global step" not in run.log  # it failed in the first rollout
+    assert not run.leftovers, run.leftovers
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"]
+)
+def test_a_signalled_run_leaves_no_shared_memory(tiny_world, tmp_path, capsys, sig):
+    """Issue 21, item 4: every run that started vLLM left two psm_* files (its message queues) and a sem.mp-* in
+    /dev/shm. The CLI is signalled once its vLLM engine is up (its processes are seen mapping their psm_* queues:
+    a point of the run's progress, not a sleep); it exits, removes the files its processes used, and leaves no
+    process. Files are attributed to the run by the processes seen using them, so other runs on the machine
+    (which change the global count, printed) are not counted."""
+    run_dir = str(tmp_path)
+
+    def signal_when_the_engine_is_up(proc, tree):
+        deadline = time.time() + 480
+        while not any(name.startswith("psm_") for name in tree.shm_names):
+            assert proc.poll() is None, "the run ended before its vLLM engine was up"
+            assert time.time() < deadline, "no vLLM engine up within 8 minutes"
+            time.sleep(0.5)
+        proc.send_signal(sig)
+
+    run = run_cli_tracked(tiny_args(tiny_world, run_dir), run_dir, timeout=600, during=signal_when_the_engine_is_up)
+    with capsys.disabled():
+        print(f"\n/dev/shm entries before / after the {sig.name} run: {run.shm_counts} (machine-wide)")
+    assert not run.timed_out and run.rc != 0, run.log[-4000:]
+    assert "shared-memory file(s) this run's processes left in /dev/shm" in run.log, run.log[-4000:]
+    assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
+    assert not run.leftovers, run.leftovers
 
 
 # ---------------------------------------------------------------- 2. edge inputs through the CLI

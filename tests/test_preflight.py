@@ -33,6 +33,16 @@ def _copy_model(keep):
     return build
 
 
+def _folder(files):
+    def build(path, world):
+        os.makedirs(path)
+        for name, text in files.items():
+            with open(os.path.join(path, name), "w") as f:
+                f.write(text)
+
+    return build
+
+
 def _parquet(rows):
     def build(path, world):
         import pyarrow as pa
@@ -41,6 +51,14 @@ def _parquet(rows):
         pq.write_table(pa.Table.from_pylist(rows), path)
 
     return build
+
+
+def _zero2_checkpoint(path):
+    from tests.test_resume import _ds_files
+
+    _ds_files(os.path.join(path, "_actor", "global_step1"), stage=2)
+    with open(os.path.join(path, "_actor", "latest"), "w") as f:
+        f.write("global_step1")
 
 
 # The files the table's rows name: text content, or a builder (path, world).
@@ -58,6 +76,7 @@ FILES = {
     "null_prompt.parquet": _parquet([{"input": "ab ="}, {"input": None}]),
     "prompts.txt": "ab =\n",
     "empty_folder": lambda path, world: os.makedirs(path),
+    "mixed_folder": _folder({"a.jsonl": '{"input": "ab ="}\n' * 8, "b.csv": "input\n" + "cd =\n" * 8}),
     "model_no_config": _copy_model(lambda name: name.startswith("tokenizer")),
     "model_no_weights": _copy_model(lambda name: not name.endswith(".safetensors")),
     "model_no_tokenizer": _copy_model(lambda name: name in ("config.json", "model.safetensors")),
@@ -72,8 +91,18 @@ FILES = {
     ),
     "reward_not_dict.py": "def reward_func(queries, prompts, labels):\n    return [1.0] * len(queries)\n",
     "reward_no_rewards.py": "def reward_func(queries, prompts, labels):\n    return {'scores': [1.0]}\n",
+    "reward_str_list.py": (
+        "def reward_func(queries, prompts, labels):\n    return {'rewards': ['0.5'], 'scores': ['0.5']}\n"
+    ),
+    "reward_str_log.py": (
+        "import torch\n\n\ndef reward_func(queries, prompts, labels):\n"
+        "    return {'rewards': torch.tensor([1.0]), 'extra_logs': {'note': 'ok'}}\n"
+    ),
     "agent_no_executor.py": "class Agent:\n    pass\n",
     "a_file": "a file where a folder is expected\n",
+    "a_model": _copy_model(lambda name: True),  # a whole, valid model folder
+    "prompt_folder": lambda path, world: os.makedirs(path) or shutil.copy(world["prompts"], path),
+    "zero2_ckpt": lambda path, world: _zero2_checkpoint(path),  # a --ckpt.path with one ZeRO-2 step checkpoint
 }
 
 
@@ -307,3 +336,130 @@ def test_cli_stops_before_ray_starts(tiny_world, tmp_path, capsys):
     assert f"openrlhf-ess: error: --data.prompt_dataset {bad} line 2: no key 'input' (--data.input_key)" in log
     assert not os.path.exists(ray_dir), "Ray's temp folder exists: Ray was started"
     assert "Started a local Ray instance" not in log and "ray.init" not in log
+
+
+# ---- issue 21: values training cannot use, found before Ray starts ---------------------------------------------
+
+
+def test_temperature_floor_is_vllms():
+    """Below vLLM's floor the engine samples at the floor while the trainer divides by the flag's value (item 5):
+    the floor pre-flight names is the installed vLLM's (vllm/sampling_params.py: _MAX_TEMP)."""
+    from vllm import sampling_params
+
+    assert preflight.VLLM_MIN_TEMPERATURE == sampling_params._MAX_TEMP == 0.01
+    assert sampling_params.SamplingParams(temperature=0.005).temperature == 0.01  # what the engine would do
+
+
+def _model_variant(world, folder, config=None, tokenizer_config=None):
+    shutil.copytree(world["model"], folder)
+    for name, changes in (("config.json", config), ("tokenizer_config.json", tokenizer_config)):
+        if changes:
+            path = os.path.join(folder, name)
+            data = json.load(open(path))
+            data.update(changes)
+            json.dump(data, open(path, "w"))
+    return folder
+
+
+def test_model_max_len_is_what_vllm_accepts(tiny_world, tmp_path):
+    """--data.max_len is the engines' max_model_len (item 10): pre-flight's bound for a model is the longest vLLM's
+    ModelConfig accepts for it (one more is vLLM's '1 validation error for ModelConfig'), with RoPE scaling taken into
+    account as vLLM does."""
+    from vllm.config import ModelConfig
+
+    variants = {
+        "as built": (tiny_world["model"], 512),
+        "linear RoPE x2": (
+            _model_variant(
+                tiny_world,
+                str(tmp_path / "rope"),
+                {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}},
+            ),
+            1024,
+        ),
+        # vLLM reads the tokenizer's model_max_length only for pooling models
+        "short tokenizer": (_model_variant(tiny_world, str(tmp_path / "tok"), None, {"model_max_length": 300}), 512),
+    }
+    for name, (folder, expected) in variants.items():
+        length, _ = preflight.model_max_len(folder)
+        assert length == expected, name
+        assert ModelConfig(model=folder, max_model_len=int(length)).max_model_len == expected, name
+        with pytest.raises(Exception, match="1 validation error for ModelConfig"):
+            ModelConfig(model=folder, max_model_len=int(length) + 1)
+
+
+def test_max_len_within_the_model_passes(tiny_world, tmp_path, monkeypatch):
+    preflight.check(_args(tiny_world, tmp_path, ["--data.max_len", "512"]))
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own override: left to it
+    preflight.check(_args(tiny_world, tmp_path, ["--data.max_len", "1024"]))
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["0.5", "torch.tensor([0.5])", "torch.tensor(0.5)", "[0.5]", "[torch.tensor(0.5)]", "1"],
+)
+def test_reward_values_training_can_use_pass(tiny_world, tmp_path, value):
+    """One number per query in any form upstream's torch.tensor([value]) accepts (item 9); scores None falls back
+    to rewards, as upstream does."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "import torch\n\n\ndef reward_func(queries, prompts, labels):\n"
+        f"    return {{'rewards': {value}, 'scores': None, 'extra_logs': {{'n': torch.tensor([2.0]), 'm': 1}}}}\n"
+    )
+    notices = preflight.check(_args(tiny_world, tmp_path, ["--reward.remote_url", str(reward)]))
+    assert "reward_func dry call returned 1 reward for 1 query" in notices[-1]
+
+
+@pytest.mark.parametrize(
+    "files,readable",
+    [
+        ({"a.jsonl": 8, "b.json": 4}, True),  # one format for datasets (json): both read
+        ({"train.jsonl": 8, "test.jsonl": 4}, True),  # split by name: upstream trains on 'train' only
+        ({"a.jsonl": 8, "b.csv": 8}, False),  # two formats: datasets reads json only
+        ({"a.jsonl": 4, "b.csv": 8, "c.csv": 8}, False),  # two formats: datasets reads csv only
+        ({"sub/a.jsonl": 6, "b.jsonl": 2}, True),
+    ],
+)
+def test_folder_count_is_what_upstream_reads(tiny_world, tmp_path, files, readable):
+    """Pre-flight's prompt count for a folder equals the rows upstream's blending_datasets loads from it (item 6);
+    a folder whose files the loader would partly skip (another format) is refused, naming them."""
+    from types import SimpleNamespace
+
+    from openrlhf.datasets.utils import blending_datasets
+
+    folder = tmp_path / "prompts"
+    for name, n in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".csv"):
+            path.write_text("input\n" + "".join(f"{name} {i} =\n" for i in range(n)))
+        else:
+            path.write_text("".join(json.dumps({"input": f"{name} {i} ="}) + "\n" for i in range(n)))
+    strategy = SimpleNamespace(print=lambda *a: None, is_rank_0=lambda: False, args=SimpleNamespace(use_ms=False))
+    loaded = len(blending_datasets(str(folder), None, strategy, dataset_split="train"))
+    args = _args(tiny_world, tmp_path, ["--data.prompt_dataset", str(folder), "--data.max_samples", "1000"])
+    if not readable:
+        assert loaded < sum(files.values())  # what upstream does: some prompts are never read
+        with pytest.raises(ConfigError, match="would skip .*csv|would skip .*jsonl") as info:
+            preflight.check(args)
+        assert "--data.prompt_dataset " + ",".join(str(folder / n) for n in sorted(files)) in str(info.value)
+        return
+    notices = preflight.check(args)
+    assert f"{loaded} prompt records in " in notices[-1], (loaded, notices)
+    if "test.jsonl" in files:
+        assert any("not read (and not counted): test.jsonl" in n for n in notices), notices
+
+
+def test_a_wandb_root_may_hold_the_inputs_but_no_output_may_be_one(tiny_world, tmp_path, monkeypatch):
+    """Issue 21, item 1: WANDB_DIR (wandb writes only its wandb/ subfolder) may contain the model and prompts, as
+    WANDB_DIR=$HOME does; an output folder inside an input, or the input itself, is refused."""
+    root = os.path.dirname(tiny_world["model"])
+    monkeypatch.setenv("WANDB_DIR", root)
+    preflight._check_outputs_are_not_inputs(_args(tiny_world, tmp_path, ["--logger.wandb.key", "offline-" + "0" * 32]))
+    monkeypatch.setenv("WANDB_DIR", tiny_world["model"])
+    with pytest.raises(ConfigError, match=f"WANDB_DIR {re.escape(tiny_world['model'])} is --actor.model_name_or_path"):
+        preflight._check_outputs_are_not_inputs(_args(tiny_world, tmp_path, ["--logger.wandb.key", "x" * 40]))
+    link = tmp_path / "link_to_model"
+    os.symlink(tiny_world["model"], link)  # compared after resolving symlinks
+    with pytest.raises(ConfigError, match="is --actor.model_name_or_path"):
+        preflight._check_outputs_are_not_inputs(_args(tiny_world, tmp_path, ["--ckpt.output_dir", str(link)]))

@@ -280,7 +280,7 @@ def test_killed_between_steps_resumes_exactly(tiny_world, tmp_path):
 
     from tests.helpers.e2e import REPO as E2E_REPO
     from tests.helpers.e2e import read_tensorboard, tiny_args
-    from tests.helpers.faults import _Tree, end_processes
+    from tests.helpers.faults import _Tree, end_processes, run_cli_tracked
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=32)  # tiny_world's 32 prompts: 4 steps
@@ -322,9 +322,8 @@ def test_killed_between_steps_resumes_exactly(tiny_world, tmp_path):
         killed_after -= 1  # killed during that save (after DeepSpeed's `latest`): the resume loads the one before
     shutil.move(audit, audit + "_first")  # the audit trail restarts with the run's versions
 
-    with open(os.path.join(run_dir, "second.txt"), "w") as log:
-        rc = subprocess.run(cmd, cwd=E2E_REPO, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=900).returncode
-    assert rc == 0, open(os.path.join(run_dir, "second.txt")).read()[-5000:]
+    second = run_cli_tracked(args, run_dir, timeout=900)  # the same command; its processes ended on any exit
+    assert second.rc == 0 and not second.timed_out and not second.leftovers, second.log[-5000:]
     steps = sorted({s for s, _ in read_tensorboard(run_dir)["train/reward"]})
     batches = len(glob.glob(f"{audit}/batch_v*.pt"))
     # resumed from the last complete checkpoint: the steps after it, one batch each, to the end of the epoch

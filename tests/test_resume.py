@@ -12,7 +12,6 @@ import collections
 import glob
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -32,12 +31,26 @@ STEPS = N_PROMPTS // BATCH * EPISODES  # 8
 # ---- the sidecar and the choice of checkpoint (no Ray) -------------------------------------------------
 
 
-def _fake_checkpoint(ckpt: str, step: int, complete: bool, latest: bool = True) -> str:
-    """A DeepSpeed-like step folder written by the test: one file of 'weights'; the sidecar if complete."""
-    folder = os.path.join(ckpt, "_actor", f"global_step{step}")
+def _ds_files(folder: str, stage: int = 2, dp: int = 1) -> None:
+    """The files DeepSpeed writes for one step (names as its engine's; the model states' metadata as it saves them,
+    tiny tensors): model states (one per rank with ZeRO-3) and one optimizer states file per data-parallel rank."""
     os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "mp_rank_00_model_states.pt"), "w") as f:
-        f.write("x" * 100)
+    meta = {"module": {"w": torch.zeros(4)}, "dp_world_size": dp, "mp_world_size": 1}
+    meta["ds_config"] = {"zero_optimization": {"stage": stage}}
+    models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)] if stage == 3 else []
+    for name in models or ["mp_rank_00_model_states.pt"]:
+        torch.save(meta, os.path.join(folder, name))
+    for r in range(dp):
+        torch.save(
+            {"optimizer_state_dict": {"exp_avg": torch.ones(2)}},
+            f"{folder}/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt",
+        )
+
+
+def _fake_checkpoint(ckpt: str, step: int, complete: bool, latest: bool = True) -> str:
+    """A DeepSpeed-like step folder written by the test (:func:`_ds_files`); the sidecar if complete."""
+    folder = os.path.join(ckpt, "_actor", f"global_step{step}")
+    _ds_files(folder)
     if complete:
         resume.write_sidecar(ckpt, step, {"replay": [("p", "l", None)] * step, "weight_version": step})
     if latest:
@@ -141,7 +154,7 @@ def test_untrained_prompts_are_the_buffer_then_the_replay_not_yet_drawn():
     assert [b[1][0] for b in drawn] == ["d", "e"]
 
 
-# ---- the real stack: kill at a random point, resume with the same command ---------------------------
+# ---- the real stack: kill at a point of the run's progress, resume with the same command -----------------
 
 
 def _prompt_texts(path: str) -> collections.Counter:
@@ -173,23 +186,41 @@ def _saved_step(ckpt: str) -> int:
     return int(tag[len("global_step") :]) if tag.startswith("global_step") else 0
 
 
+def _kill_point(kill_at, ckpt: str, audit: str):
+    """Whether the run has reached ``kill_at`` = (point, step), read from its own progress on disk (not the wall
+    clock, so the kill lands where it says on any machine speed), and where it is: "after_save" = checkpoint
+    ``step`` complete (our sidecar written), between steps; "mid_step" = the batch of step ``step`` + 1 made (its
+    audit file written), its update under way; "mid_save" = DeepSpeed writing checkpoint ``step`` (its folder there,
+    the sidecar not yet; if the save was done between two looks, just after it)."""
+    point, step = kill_at
+    folder = os.path.join(ckpt, "_actor", f"global_step{step}")
+    complete = os.path.exists(os.path.join(folder, resume.SIDECAR))
+    if point == "after_save":
+        return "after the save" if complete else None
+    if point == "mid_step":
+        return "mid-step" if os.path.exists(os.path.join(audit, f"batch_v{step}.pt")) else None
+    if os.path.isdir(folder):
+        return "just after the save (missed the save window)" if complete else "mid-save"
+    return None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mode,seed,gen_batch,half_written",
+    "mode,kill_at,gen_batch,half_written",
     [
-        ("interrupt", 0, None, False),  # exact mode; partial rollouts, one vLLM call per step
-        ("snapshot", 1, 16, False),  # exact mode; one vLLM call per 2 steps: prompts buffered at the checkpoint
-        ("ewma", 2, 16, True),  # and the newest checkpoint left half-written (simulated after the kill)
+        ("interrupt", ("after_save", 1), None, False),  # exact mode; partial rollouts, one vLLM call per step
+        ("snapshot", ("mid_step", 1), 16, False),  # exact; one vLLM call per 2 steps: prompts buffered at the save
+        ("ewma", ("mid_save", 3), 16, True),  # and the newest checkpoint left half-written (simulated after the kill)
     ],
 )
-def test_killed_at_a_random_point_resumes_without_losing_prompts(
-    tiny_world, tmp_path, mode, seed, gen_batch, half_written
+def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
+    tiny_world, tmp_path, mode, kill_at, gen_batch, half_written
 ):
-    """SIGKILL to the job's process group a seeded random 0-6 s after its step-1 checkpoint (step 2 with
-    ``half_written``), so between steps, mid-generation, mid-training or mid-save; then the same command
-    again. Trained prompts: those of the first run's steps up to the checkpoint the second run loaded, plus
-    all of the second run's, are the prompt file's, each n_samples_per_prompt x 2 episodes times; exact
-    modes are exact after the resume.
+    """SIGKILL to the job's process group at a point of its own progress (:func:`_kill_point`: between steps after
+    the step-1 checkpoint, during step 2's update, or during the step-3 save); then the same command again. Trained
+    prompts: those of the first run's steps up to the checkpoint the second run loaded, plus all of the second
+    run's, are the prompt file's, each n_samples_per_prompt x 2 episodes times; exact modes are exact after the
+    resume. Every process of both runs is tracked by PID and ended on any exit (tests/helpers/faults.py).
 
     ``half_written``: after the kill the test truncates the newest checkpoint's weights file and deletes its
     sidecar (a kill during the save, simulated); the resume must load the previous one and say so."""
@@ -197,7 +228,7 @@ def test_killed_at_a_random_point_resumes_without_losing_prompts(
 
     from tests.helpers.e2e import REPO as E2E_REPO
     from tests.helpers.e2e import tiny_args
-    from tests.helpers.faults import _Tree, end_processes
+    from tests.helpers.faults import _Tree, end_processes, run_cli_tracked
     from tests.test_prox_modes import audit_exactness
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
@@ -220,14 +251,13 @@ def test_killed_at_a_random_point_resumes_without_losing_prompts(
         first = subprocess.Popen(
             cmd, cwd=E2E_REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    with _Tree(first.pid) as tree:
+    with _Tree(first.pid) as tree:  # an assertion below ends the whole run (by PID), not only this test
         deadline = time.time() + 600
-        while _saved_step(ckpt) < 1 + half_written:  # half-written: keep one complete checkpoint before
+        while (where := _kill_point(kill_at, ckpt, audit)) is None:
             assert first.poll() is None, open(os.path.join(run_dir, "first.txt")).read()[-4000:]
-            assert time.time() < deadline, "no step-1/2 checkpoint within 10 minutes"
-            time.sleep(0.2)
-        time.sleep(random.Random(seed).uniform(0, 6))
-        tree.sample()
+            assert time.time() < deadline, f"the run did not reach {kill_at} within 10 minutes"
+            time.sleep(0.01)
+        tree.sample(shm=False)  # the processes of the moment (cheap: no /dev/shm look)
         os.killpg(first.pid, signal.SIGKILL)  # the job, its Ray head and workers started in its session
         first.wait(timeout=60)
     end_processes(tree.alive(), grace=5)  # Ray daemons that left the session: by PID, recorded above
@@ -248,10 +278,10 @@ def test_killed_at_a_random_point_resumes_without_losing_prompts(
     shutil.move(audit, audit + "_first")  # the audit trail restarts with the run's versions
     first_seconds = time.time() - t0
 
-    with open(os.path.join(run_dir, "second.txt"), "w") as log:
-        rc = subprocess.run(cmd, cwd=E2E_REPO, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=900).returncode
-    second_log = open(os.path.join(run_dir, "second.txt")).read()
-    assert rc == 0, second_log[-5000:]
+    second = run_cli_tracked(args, run_dir, timeout=900)  # same command; its processes ended on any exit
+    second_log, rc = second.log, second.rc
+    assert rc == 0 and not second.timed_out, second_log[-5000:]
+    assert not second.leftovers, second.leftovers
     if restored < newest:
         assert f"checkpoint global_step{newest} is incomplete" in second_log
     assert f"resume: restored global_step{restored} (step {restored}," in second_log, second_log[-3000:]
@@ -270,4 +300,187 @@ def test_killed_at_a_random_point_resumes_without_losing_prompts(
     if mode in ("interrupt", "snapshot"):
         checked, stale, mixed, worst, gap = audit_exactness(audit, tiny_world["model"], batches)
         assert checked > 50 and worst < 1e-4, (checked, worst)
-    print(f"[timing] {mode}: first run {first_seconds:.0f} s, killed after step {newest}, resumed from {restored}")
+    print(
+        f"[timing] {mode}: first run {first_seconds:.0f} s, killed {where} ({kill_at}; latest: step {newest}), "
+        f"resumed from {restored}"
+    )
+
+
+# ---- sync runs too; broken checkpoints; nothing to load (issue 21, items 7 and 10; no Ray) -------------------------
+
+
+def _two_steps(ckpt: str, latest: str = "global_step2") -> str:
+    for step in (1, 2):
+        _ds_files(os.path.join(ckpt, "_actor", f"global_step{step}"))
+    with open(os.path.join(ckpt, "_actor", "latest"), "w") as f:
+        f.write(latest)
+    return os.path.join(ckpt, "_actor", "global_step2")
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+BREAKS = {
+    "truncated-model-states": (
+        lambda d: _truncate(f"{d}/mp_rank_00_model_states.pt"),
+        "is broken (mp_rank_00_model_states.pt is truncated or not a torch checkpoint file)",
+    ),
+    "truncated-optimizer-shard": (
+        lambda d: _truncate(f"{d}/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        "is broken (bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt is truncated",
+    ),
+    "missing-optimizer-shard": (
+        lambda d: os.remove(f"{d}/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        "is broken (the optimizer states of rank 0 are missing",
+    ),
+    "no-model-states": (lambda d: os.remove(f"{d}/mp_rank_00_model_states.pt"), "is broken (no *_model_states.pt"),
+}
+
+
+@pytest.mark.parametrize("need_sidecar", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("fault", sorted(BREAKS))
+def test_a_broken_newest_checkpoint_is_moved_aside_and_the_one_before_loaded(tmp_path, fault, need_sidecar):
+    """Sync runs too (README: a resume takes the newest complete checkpoint): the broken step is moved aside with
+    every file it had (nothing deleted), `latest` names the one before, and a line says why."""
+    ckpt = str(tmp_path)
+    newest = _two_steps(ckpt)
+    if need_sidecar:
+        for step in (1, 2):
+            resume.write_sidecar(ckpt, step, {"replay": []})
+    break_it, why = BREAKS[fault]
+    break_it(newest)
+    files = sorted(os.listdir(newest))
+    lines = []
+    restored = resume.prepare(ckpt, log=lines.append, need_sidecar=need_sidecar)
+    assert restored["global_step"] == 1
+    assert open(os.path.join(ckpt, "_actor", "latest")).read() == "global_step1"
+    assert f"checkpoint global_step2 {why}" in lines[0] and "loading global_step1, the newest complete one" in lines[0]
+    (aside,) = glob.glob(os.path.join(ckpt, "_actor.incomplete", "global_step2-*"))
+    assert sorted(os.listdir(aside)) == files
+    if not need_sidecar:
+        assert lines[-1].startswith("[openrlhf-ess] resume: loading global_step1 from ")
+
+
+def test_a_sync_resume_of_whole_checkpoints_changes_nothing(tmp_path):
+    ckpt = str(tmp_path)
+    _two_steps(ckpt)
+    before = {d: sorted(os.listdir(os.path.join(ckpt, "_actor", d))) for d in ("global_step1", "global_step2")}
+    lines = []
+    assert resume.prepare(ckpt, log=lines.append, need_sidecar=False) == {"global_step": 2}
+    assert lines == [
+        f"[openrlhf-ess] resume: loading global_step2 from {ckpt}/_actor (the newest complete checkpoint)"
+    ]
+    assert {d: sorted(os.listdir(os.path.join(ckpt, "_actor", d))) for d in before} == before
+    assert sorted(os.listdir(ckpt)) == ["_actor"]
+
+
+def test_garbage_in_latest_is_set_aside_and_the_newest_complete_checkpoint_loaded(tmp_path):
+    ckpt = str(tmp_path)
+    _two_steps(ckpt, latest="\x00\x17garbage")
+    lines = []
+    assert resume.prepare(ckpt, log=lines.append, need_sidecar=False)["global_step"] == 2
+    assert "latest names '\\x00\\x17garbage', which is no checkpoint there; ignored" in lines[0]
+    assert open(os.path.join(ckpt, "_actor", "latest")).read() == "global_step2"
+    (kept,) = glob.glob(os.path.join(ckpt, "_actor", "latest.ignored-*"))
+    assert open(kept).read() == "\x00\x17garbage"
+
+
+def test_a_zero3_checkpoint_missing_a_ranks_model_states_is_broken(tmp_path):
+    folder = str(tmp_path / "global_step1")
+    _ds_files(folder, stage=3, dp=2)
+    assert resume.checkpoint_problem(folder) is None
+    assert resume.checkpoint_layout(folder) == {"zero_stage": 3, "dp": 2, "mp": 1}
+    os.remove(os.path.join(folder, "zero_pp_rank_1_mp_rank_00_model_states.pt"))
+    assert resume.checkpoint_problem(folder) == (
+        "zero_pp_rank_1_mp_rank_00_model_states.pt is missing (1 of the 2 model states files)"
+    )
+
+
+@pytest.mark.parametrize("need_sidecar", [False, True], ids=["sync", "async"])
+def test_no_checkpoint_found_says_where_it_looked(tmp_path, need_sidecar):
+    lines = []
+    assert resume.prepare(str(tmp_path / "typo"), log=lines.append, need_sidecar=need_sidecar) is None
+    assert lines == [
+        "[openrlhf-ess] resume: --ckpt.load_enable, but there is no checkpoint to load: "
+        f"{tmp_path}/typo/_actor does not exist (a run with --ckpt.save_steps writes its checkpoints to "
+        "<--ckpt.path>/_actor/); training starts from step 0. To resume a run, pass the --ckpt.path it saved to."
+    ]
+    os.makedirs(tmp_path / "empty" / "_actor")
+    lines.clear()
+    assert resume.prepare(str(tmp_path / "empty"), log=lines.append, need_sidecar=need_sidecar) is None
+    assert "_actor holds no global_step* checkpoint and no latest file" in lines[0] and len(lines) == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_cli_checks_the_checkpoint_before_ray_in_sync_and_async_runs(tmp_path, monkeypatch, capsys, mode):
+    """Today's gap: a sync run with --ckpt.load_enable and a mistyped --ckpt.path said nothing and trained from
+    step 0. The CLI's train() runs the resume's check (before Ray starts) in both modes."""
+    from openrlhf_ess.cli import train_ppo_ray as cli
+
+    class NoRay(Exception):
+        pass
+
+    def init_ray(args):
+        raise NoRay
+
+    monkeypatch.setattr(cli, "init_ray", init_ray)
+    extra = ["--train.async_enable"] if mode == "async" else []
+    args = _parsed("--ckpt.path", str(tmp_path / "typo"), *extra)
+    with pytest.raises(NoRay):
+        cli.train(args)
+    out = capsys.readouterr().out
+    assert f"resume: --ckpt.load_enable, but there is no checkpoint to load: {tmp_path}/typo/_actor does not" in out
+
+
+def test_a_checkpoint_of_another_zero_layout_is_refused_in_preflight(tmp_path):
+    from openrlhf_ess import preflight
+    from openrlhf_ess.config import ConfigError
+
+    ckpt = str(tmp_path / "ckpt")
+    _two_steps(ckpt)
+    args = _parsed("--ckpt.path", ckpt, "--ds.zero_stage", "3")
+    with pytest.raises(ConfigError) as info:
+        preflight._check_resume_checkpoint(args, [])
+    assert str(info.value) == (
+        f"--ckpt.load_enable: the checkpoint {ckpt}/_actor/global_step2 (--ckpt.path {ckpt}) was written with ZeRO "
+        "stage 2, but this run has --ds.zero_stage 3: DeepSpeed cannot load whole-model weights into ZeRO-3. Resume "
+        "with --ds.zero_stage 2, or drop --ckpt.load_enable (or pass another --ckpt.path) to start fresh."
+    )
+    preflight._check_resume_checkpoint(_parsed("--ckpt.path", ckpt, "--ds.zero_stage", "1"), [])  # 1 and 2 load
+
+
+def test_a_checkpoint_that_passes_the_checks_but_does_not_load_names_ckpt_flags_not_the_model(tmp_path):
+    """What the checks cannot see (damaged data inside whole files, other GPU counts) fails in DeepSpeed's load on a
+    policy rank at start-up; the fix names --ckpt.path / --ckpt.load_enable, not the model folder."""
+    from ray.exceptions import RayTaskError
+
+    from openrlhf_ess.cli import train_ppo_ray as cli
+
+    traceback_text = (
+        "Traceback (most recent call last):\n"
+        '  File "/venv/openrlhf/trainer/ray/ppo_actor.py", line 577, in init_model_from_pretrained\n'
+        "    _, states = strategy.load_ckpt(self.actor.model, ckpt_path)\n"
+        '  File "/venv/deepspeed/runtime/engine.py", line 3100, in load_checkpoint\n'
+        "    load_path, client_states = self._load_checkpoint(load_dir, tag)\n"
+        "RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory\n"
+    )
+    cause = RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
+    exc = RayTaskError(
+        "PolicyModelActorImpl.init_model_from_pretrained",
+        traceback_text,
+        cause,
+        pid=9,
+        ip="127.0.0.1",
+        proctitle="ray::PolicyModelActorImpl.init_model_from_pretrained",
+    ).as_instanceof_cause()
+    args = _parsed("--ckpt.path", str(tmp_path), "--ray.temp_dir", "/tmp/ray_x")
+    message = str(cli.classify_failure(exc, args, started=False))
+    assert "raised: RuntimeError: PytorchStreamReader failed reading zip archive" in message, message
+    assert (
+        f"Fix: the DeepSpeed policy (actor) model rank loads the checkpoint that --ckpt.load_enable resumes from "
+        f"(--ckpt.path {tmp_path}), and it does not load" in message
+    )
+    assert f"Move its global_step* folder out of {tmp_path}/_actor" in message
+    assert "check that folder" not in message

@@ -21,8 +21,8 @@ from openrlhf_ess import cpu_compat
 
 cpu_compat.apply()
 
-from openrlhf_ess import config, preflight, resources, upstream  # noqa: E402
-from openrlhf_ess.trainer import resume  # noqa: E402
+from openrlhf_ess import config, preflight, resources, run_lock, shm_cleanup, upstream  # noqa: E402
+from openrlhf_ess.trainer import resume, saving  # noqa: E402
 
 # Environment variables forwarded to every Ray worker, with the defaults the CPU stack needs.
 _FORWARDED_ENV = {
@@ -40,6 +40,7 @@ _FORWARDED_ENV = {
     "TRANSFORMERS_OFFLINE": None,
     "DS_ACCELERATOR": None,
     "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD": None,  # tests only: see trainer/ray/vllm_worker_wrap.py
+    "OPENRLHF_ESS_FAULT_FINAL_SAVE": None,  # tests only: see trainer/saving.py
     cpu_compat.DEVICE_ENV: None,  # the run's accelerator, decided once on the driver (resolve_accelerator)
 }
 # Ray's worker set-up hook: a module that never initialises CUDA (it runs before Ray sets CUDA_VISIBLE_DEVICES).
@@ -147,6 +148,26 @@ def _probe_gpu_nodes(address: str, timeout_s: float = 120.0) -> dict:
         ray.shutdown()
 
 
+def watch_shared_memory() -> shm_cleanup.ShmWatch:
+    """Record the /dev/shm files this run's processes use (vLLM's psm_* message queues, multiprocessing's sem.mp-*)
+    and remove those still there when the CLI exits: exit 0, an error, SIGTERM (Ray's driver handler exits), SIGINT
+    (``openrlhf_ess/shm_cleanup.py``; Ray ends the engines' processes with signals, so vLLM never unlinks them)."""
+    watch = shm_cleanup.ShmWatch().start()
+
+    def cleanup() -> None:
+        removed = watch.cleanup()
+        if removed:
+            shown = ", ".join(removed[:6]) + (f" and {len(removed) - 6} more" if len(removed) > 6 else "")
+            print(
+                f"[openrlhf-ess] removed {len(removed)} shared-memory file(s) this run's processes left in "
+                f"{shm_cleanup.SHM_DIR}: {shown}",
+                flush=True,
+            )
+
+    atexit.register(cleanup)
+    return watch
+
+
 def init_ray(args) -> None:
     """Start (or join) Ray with our worker set-up hook, so every worker applies the CPU patches."""
     import ray
@@ -165,6 +186,8 @@ def init_ray(args) -> None:
         # Short path: Ray's unix sockets live under it and are limited to ~107 characters.
         temp_dir = tempfile.mkdtemp(prefix="ray_ess_", dir="/tmp")
         atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
+    # Before ray.init: the hook that removes the run's /dev/shm files then runs after Ray's own atexit shutdown.
+    watch_shared_memory()
     # A worker that dies (OOM killer, segfault, ray.kill) takes its process group with it: without this a
     # vLLM engine actor's EngineCore and worker processes outlive it, holding (GPU) memory after the run.
     # Read by the raylet we start here; a cluster joined with --ray.address needs it set at `ray start`.
@@ -199,6 +222,31 @@ class StartupFailed(RunFailed):
 
 class EngineDied(RunFailed):
     """A vLLM engine's own processes (EngineCore, its workers) died: vLLM raised ``EngineDeadError``."""
+
+
+class OutputFailed(RunFailed):
+    """An output (the final model, a checkpoint) could not be written; the message says why and where the work is."""
+
+
+class RewardFailed(RunFailed):
+    """The reward function timed out or raised a BaseException (``openrlhf_ess/utils/agent.py``) and
+    --reward.failure_policy is not drop: the message names the file and the fix."""
+
+
+def reward_failure(exc: BaseException) -> Optional[str]:
+    """The message of a ``RewardFunctionError`` raised in a vLLM engine, under Ray's wrapping, or None."""
+    import ray
+
+    from openrlhf_ess.utils.agent import RewardFunctionError
+
+    for e in _chain(exc):
+        if isinstance(e, RewardFunctionError) and not isinstance(e, ray.exceptions.RayTaskError):
+            return str(e)
+    for e in _chain(exc):  # Ray kept only the text (a cause it could not rebuild)
+        match = re.search(r"RewardFunctionError: (.*)", _ANSI.sub("", str(e)))
+        if match:
+            return match.group(1).strip()
+    return None
 
 
 # Ray actor classes of a run, by role (class names: upstream's and our subclasses, which append "Impl").
@@ -417,6 +465,25 @@ def actor_died_message(err, args) -> str:
 
 
 _PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.I)
+# A frame of upstream's or DeepSpeed's checkpoint loading in a start-up error's traceback (--ckpt.load_enable).
+_CHECKPOINT_LOAD = re.compile(r"\bload_ckpt\b|\b_?load_(?:zero_)?checkpoint\b")
+
+
+def _error_text(exc: BaseException) -> str:
+    """Every traceback and message in ``exc``'s chain (Ray keeps the remote traceback as text)."""
+    return "\n".join(f"{e}\n{getattr(e, 'traceback_str', '') or ''}" for e in _chain(exc))
+
+
+def checkpoint_load_fix(args, role: str) -> str:
+    """The fix for a checkpoint that passed the resume's checks (``trainer/resume.py``) but does not load."""
+    folder = resume.actor_dir(args.ckpt.path)
+    return (
+        f"the {role} loads the checkpoint that --ckpt.load_enable resumes from (--ckpt.path {args.ckpt.path}), and it "
+        "does not load: it is damaged, or was written with other --ds.* or GPU-count flags (the cause above says "
+        f"which). Move its global_step* folder out of {folder} (nothing else is needed: the resume then loads the "
+        "newest complete one before it), resume with the flags it was written with, or drop --ckpt.load_enable to "
+        "start fresh"
+    )
 
 
 def startup_message(exc: BaseException, args) -> str:
@@ -434,6 +501,8 @@ def startup_message(exc: BaseException, args) -> str:
             "a port the rank had picked for torch.distributed's rendezvous was taken before it bound it (another "
             "job starting on this machine at the same moment?); nothing is wrong with the model or flags"
         )
+    elif _CHECKPOINT_LOAD.search(_error_text(exc)) and args.ckpt.load_enable:
+        fix = checkpoint_load_fix(args, origin.role)
     else:
         fix = fixes[0]
     verb = "failed to start" if origin.init else "died" if origin.died else "raised"
@@ -482,8 +551,14 @@ def classify_failure(exc: BaseException, args, started: bool) -> Optional[RunFai
     the "died during the run" message with resume advice. An actor whose ``__init__`` raised never started,
     whenever its error reaches the driver (an engine's is first seen at the first call made to it).
     """
+    written = next((e for e in _chain(exc) if type(e) is saving.OutputWriteError), None)
+    if written is not None:  # the original exception (Ray's cause), whose text is our message
+        return OutputFailed(str(written))
     if engine_dead(exc):
         return EngineDied(engine_died_message(exc, args, started))
+    reward = reward_failure(exc)
+    if reward is not None:
+        return RewardFailed(reward)
     died = dead_actor(exc)
     creation = died is not None and (
         getattr(died, "actor_init_failed", False) or "raised in its creation task" in str(died)
@@ -551,6 +626,7 @@ def check_resources(args) -> List:
 
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     resources.check(args, ray.cluster_resources(), nodes, where=_cluster_source(args))
+    resources.check_host_memory(args, nodes, resources.model_bytes(args.actor.model_name_or_path))
     return resources.requests(args)
 
 
@@ -577,9 +653,9 @@ def train(args) -> None:
     else:  # off: upstream's controllers run untouched (watched on the driver only, for the start of fit())
         from openrlhf.trainer.ppo_trainer import PPOTrainer
         from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync
-    if args.ckpt.load_enable and resume.applies(args):  # async: load the newest complete checkpoint only
-        restored = resume.prepare(args.ckpt.path)
-        if restored is not None:
+    if args.ckpt.load_enable:  # the newest complete checkpoint only, sync and async; says what it loads or why not
+        restored = resume.prepare(args.ckpt.path, need_sidecar=resume.applies(args))
+        if restored is not None and resume.applies(args):
             print(resume.restored_message(restored), flush=True)
     started = threading.Event()  # set when training begins: start-up failures before, "died during the run" after
     before_fit = None
@@ -628,6 +704,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         sys.exit(2)
     for notice in notices:
         print(f"[openrlhf-ess] {notice}")
+    try:  # one run per output folder (run_lock.py): held until this process exits, however it exits
+        command = None if argv is None else ["-m", "openrlhf_ess.cli.train_ppo_ray", *argv]
+        locks = run_lock.acquire_all(args, log=print, argv=command)
+    except config.ConfigError as e:
+        print(f"openrlhf-ess: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    atexit.register(run_lock.release_all, locks)
     os.environ[cpu_compat.DEVICE_ENV] = args.ray.accelerator  # forwarded to every Ray worker (_runtime_env)
     try:
         train(args)
@@ -640,6 +723,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         traceback.print_exception(e.__cause__)  # Ray's own report, in full
         print(f"openrlhf-ess: error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:
+        run_lock.release_all(locks)  # Ray is shut down by now (train's finally); atexit covers the rest
 
 
 if __name__ == "__main__":

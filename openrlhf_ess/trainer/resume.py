@@ -26,6 +26,7 @@ import pickle
 import re
 import shutil
 import time
+import zipfile
 from typing import Callable, List, Optional
 
 SIDECAR = "openrlhf_ess_resume.pkl"  # inside DeepSpeed's tag folder; written last, so it marks completion
@@ -96,50 +97,189 @@ def step_tags(folder: str) -> List[int]:
     return sorted(int(m.group(1)) for d in os.listdir(folder) if (m := _TAG.match(d)))
 
 
-def prepare(ckpt_path: str, log: Callable[[str], None] = print) -> Optional[dict]:
-    """Before the actors load (--ckpt.load_enable): make ``latest`` name the newest complete checkpoint.
+_MODEL_STATES = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_OPTIM_STATES = re.compile(
+    r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$"
+)  # and DeepSpeed's old name
 
-    Incomplete step folders (no sidecar: a kill during the save) are moved to ``_actor.incomplete/`` (and
-    the critic's folders of the same tags likewise), so neither DeepSpeed's load nor upstream's rotation of
-    old checkpoints sees them. With no complete checkpoint, ``_actor`` is moved aside whole and the run
-    starts fresh. Returns the loaded checkpoint's sidecar (None: fresh start). A ``latest`` naming a
-    ``best*`` tag (upstream's best-metric checkpoints) is left alone."""
+
+def checkpoint_layout(folder: str) -> Optional[dict]:
+    """``{"zero_stage", "dp", "mp"}`` of a DeepSpeed step folder, from its rank-0 model states file (unpickled with
+    its tensors memory-mapped, not read); None if it cannot be inspected here (no such file, or a class this
+    process cannot import: then DeepSpeed decides). Raises ``ValueError`` for a file that does not unpickle."""
+    names = sorted(n for n in os.listdir(folder) if _MODEL_STATES.match(n))
+    if not names:
+        return None
+    import torch
+
+    try:
+        state = torch.load(os.path.join(folder, names[0]), map_location="cpu", mmap=True, weights_only=False)
+    except (ImportError, AttributeError):
+        return None
+    except Exception as e:  # a torch zip whose pickle or records are damaged
+        raise ValueError(f"{names[0]} does not load: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    if not isinstance(state, dict) or "dp_world_size" not in state:
+        return None
+    zero = (state.get("ds_config") or {}).get("zero_optimization") or {}
+    return {
+        "zero_stage": int(zero.get("stage", 0)),
+        "dp": int(state["dp_world_size"]),
+        "mp": int(state.get("mp_world_size", 1)),
+    }
+
+
+def checkpoint_problem(folder: str) -> Optional[str]:
+    """Why DeepSpeed could not load step folder ``folder``, or None when it looks whole: a model states file, every
+    ``*.pt`` a complete torch zip (a file cut short has no zip directory at its end), and one model states file per
+    rank (ZeRO-3) and one optimizer states file per data-parallel rank, as many as the model states file says wrote
+    it (DeepSpeed's loader expects exactly those names)."""
+    names = set(os.listdir(folder))
+    if not any(_MODEL_STATES.match(n) for n in names):
+        return "no *_model_states.pt file"
+    for name in sorted(names):
+        if name.endswith(".pt") and not zipfile.is_zipfile(os.path.join(folder, name)):
+            return f"{name} is truncated or not a torch checkpoint file"
+    try:
+        layout = checkpoint_layout(folder)
+    except ValueError as e:
+        return str(e)
+    if layout is None:
+        return None
+    dp, mp = layout["dp"], layout["mp"]
+    if layout["zero_stage"] == 3:
+        models = [f"zero_pp_rank_{r}_mp_rank_{m:02d}_model_states.pt" for r in range(dp) for m in range(mp)]
+    else:
+        models = [f"mp_rank_{m:02d}_model_states.pt" for m in range(mp)]
+    missing = [n for n in models if n not in names]
+    if missing:
+        return f"{missing[0]} is missing ({len(missing)} of the {len(models)} model states files)"
+    optim = {(int(m.group(1)), int(m.group(2))) for n in names if (m := _OPTIM_STATES.match(n))}
+    if layout["zero_stage"] >= 1 or optim:
+        lost = [(r, m) for r in range(dp) for m in range(mp) if (r, m) not in optim]
+        if lost:
+            return (
+                f"the optimizer states of rank {lost[0][0]} are missing (zero_pp_rank_{lost[0][0]}_mp_rank_"
+                f"{lost[0][1]:02d}_optim_states.pt; {len(lost)} of the {dp * mp} ranks that wrote it)"
+            )
+    return None
+
+
+class Plan:
+    """What a resume from ``<ckpt_path>/_actor`` would do, found without changing anything (:func:`plan`)."""
+
+    def __init__(self, folder: str, latest: Optional[str], steps: List[int]):
+        self.folder, self.latest, self.steps = folder, latest, steps
+        self.newest: Optional[int] = None  # the step that is loaded (None: none is complete)
+        self.skipped: List[tuple] = []  # (step, why) of newer steps that are not loaded: moved aside
+        self.upstream_tag = False  # `latest` names a best* checkpoint: loaded as upstream does
+
+    @property
+    def latest_is_stale(self) -> bool:
+        """`latest` names no checkpoint folder (garbage, or a step that is gone)."""
+        return self.latest is not None and not os.path.isdir(os.path.join(self.folder, self.latest))
+
+
+def plan(ckpt_path: str, need_sidecar: bool) -> Optional[Plan]:
+    """The newest complete checkpoint under ``<ckpt_path>/_actor`` and the newer ones that are not (read only).
+
+    Complete: :func:`checkpoint_problem` finds nothing (and the critic's folder of that step, if the run has one,
+    too); in async runs (``need_sidecar``) also our sidecar, written after every rank's save returned. None when
+    there is no ``_actor`` folder."""
     folder = actor_dir(ckpt_path)
     if not os.path.isdir(folder):
         return None
     latest = _read_latest(folder)
+    result = Plan(folder, latest, step_tags(folder))
     if latest is not None and not _TAG.match(latest) and os.path.isdir(os.path.join(folder, latest)):
-        log(f"[openrlhf-ess] resume: {folder}/latest names {latest!r}, not a step checkpoint; loaded as upstream does")
-        return None
-    complete = [s for s in step_tags(folder) if read_sidecar(os.path.join(folder, tag_of(s))) is not None]
-    newest = complete[-1] if complete else None
-    aside = os.path.join(ckpt_path, "_actor.incomplete")
-    for step in step_tags(folder):
-        if step in complete:
-            continue
+        result.upstream_tag = True
+        return result
+    critic = os.path.join(ckpt_path, "_critic")
+    for step in reversed(result.steps):
+        why = None
+        if need_sidecar and read_sidecar(os.path.join(folder, tag_of(step))) is None:
+            why = f"is incomplete (no {SIDECAR}: the job was killed while saving it)"
+        else:
+            problem = checkpoint_problem(os.path.join(folder, tag_of(step)))
+            if problem is None and os.path.isdir(critic):
+                critic_step = os.path.join(critic, tag_of(step))
+                problem = checkpoint_problem(critic_step) if os.path.isdir(critic_step) else "no critic checkpoint"
+                problem = problem and f"the critic's: {problem}"
+            why = problem and f"is broken ({problem})"
+        if why is None:
+            result.newest = step
+            break
+        result.skipped.append((step, why))
+    return result
+
+
+def prepare(ckpt_path: str, log: Callable[[str], None] = print, need_sidecar: bool = True) -> Optional[dict]:
+    """Before the actors load (--ckpt.load_enable): make ``latest`` name the newest complete checkpoint.
+
+    Newer step folders that are not complete (async: no sidecar, a kill during the save; any run: a file cut short,
+    a missing shard) are moved to ``_actor.incomplete/`` (and the critic's folders of the same tags likewise), so
+    neither DeepSpeed's load nor upstream's rotation of old checkpoints sees them; nothing is deleted. With no
+    complete checkpoint, ``_actor`` is moved aside whole and the run starts fresh; with no checkpoint at all, one
+    line says where it looked. Returns the loaded checkpoint's sidecar (sync runs: ``{"global_step": N}`` when it
+    has none; None: fresh start). A ``latest`` naming a ``best*`` tag (upstream's best-metric checkpoints) is left
+    alone. ``need_sidecar``: an async run (our sidecar marks completion)."""
+    found = plan(ckpt_path, need_sidecar)
+    folder = actor_dir(ckpt_path)
+    if found is None or (not found.steps and found.latest is None):
+        why = "does not exist" if found is None else "holds no global_step* checkpoint and no latest file"
         log(
-            f"[openrlhf-ess] resume: checkpoint {tag_of(step)} is incomplete (no {SIDECAR}: the job was killed "
-            f"while saving it); not loaded, moved to {aside}/"
+            "[openrlhf-ess] resume: --ckpt.load_enable, but there is no checkpoint to load: "
+            f"{os.path.abspath(folder)} {why} (a run with --ckpt.save_steps writes its checkpoints to "
+            "<--ckpt.path>/_actor/); training starts from step 0. To resume a run, pass the --ckpt.path it saved to."
+        )
+        return None
+    if found.upstream_tag:
+        log(
+            f"[openrlhf-ess] resume: {folder}/latest names {found.latest!r}, not a step checkpoint; loaded as "
+            "upstream does"
+        )
+        return None
+    newest = found.newest
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if found.latest_is_stale:
+        kept = os.path.join(folder, f"latest.ignored-{stamp}")
+        os.replace(os.path.join(folder, "latest"), kept)
+        log(
+            f"[openrlhf-ess] resume: {folder}/latest names {found.latest[:80]!r}, which is no checkpoint there; "
+            f"ignored (kept as {os.path.basename(kept)})"
+            + (f"; loading {tag_of(newest)}, the newest complete one" if newest is not None else "")
+        )
+    aside = os.path.join(ckpt_path, "_actor.incomplete")
+    for step, why in found.skipped:
+        log(
+            f"[openrlhf-ess] resume: checkpoint {tag_of(step)} {why}; not loaded, moved to {aside}/"
             + (f"; loading {tag_of(newest)}, the newest complete one" if newest is not None else "")
         )
         _move_aside(ckpt_path, tag_of(step))
     if newest is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
         for name in ("_actor", "_critic"):
             if os.path.isdir(os.path.join(ckpt_path, name)):
                 os.replace(os.path.join(ckpt_path, name), os.path.join(ckpt_path, f"{name}.unloadable-{stamp}"))
         log(
             f"[openrlhf-ess] resume: no complete checkpoint under {folder}; starting fresh (folder moved aside to "
-            f"_actor.unloadable-{stamp}). Async checkpoints written before openrlhf-ess wrote {SIDECAR} lack it "
-            "too; such a run can be continued without --train.async_enable (upstream's loader reads it)."
+            f"_actor.unloadable-{stamp})."
+            + (
+                f" Async checkpoints written before openrlhf-ess wrote {SIDECAR} lack it too; such a run can be "
+                "continued without --train.async_enable (upstream's loader reads it)."
+                if need_sidecar
+                else ""
+            )
         )
         return None
-    if latest != tag_of(newest):
+    if _read_latest(folder) != tag_of(newest):
         _write_latest(folder, tag_of(newest))
         critic = os.path.join(ckpt_path, "_critic")
         if os.path.isdir(os.path.join(critic, tag_of(newest))):
             _write_latest(critic, tag_of(newest))
-    return read_sidecar(os.path.join(folder, tag_of(newest)))
+    sidecar = read_sidecar(os.path.join(folder, tag_of(newest)))
+    if need_sidecar:
+        return sidecar
+    log(f"[openrlhf-ess] resume: loading {tag_of(newest)} from {folder} (the newest complete checkpoint)")
+    return sidecar or {"global_step": newest}
 
 
 def _move_aside(ckpt_path: str, tag: str) -> None:

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -68,12 +69,37 @@ def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16) -> list:
     ]
 
 
-def run_cli(args: list, run_dir: str, timeout: int = 600, launcher=None, env=None):
+# What the last run_cli left: "leftovers" (processes of the run still alive 20 s after the CLI exited; then ended)
+# and "shm_left" (/dev/shm files its processes used that are still there); tests/test_e2e_cli.py::_check_run.
+LAST_RUN: dict = {}
+
+
+def run_cli(args: list, run_dir: str, timeout: int = 600, launcher=None, env=None, settle: float = 20.0):
+    """Run the CLI; (exit status, console log). Every process the run starts is tracked by PID (the CLI's tree,
+    ``tests/helpers/faults.py::_Tree``) and none outlives this call: on a timeout (``subprocess.TimeoutExpired`` is
+    raised, as ``subprocess.run`` did) or any exception all of them are ended; after a normal exit, those still
+    there ``settle`` seconds later are recorded in :data:`LAST_RUN` and ended."""
+    from tests.helpers.faults import _Tree, end_processes
+
     cmd = (launcher or [sys.executable, "-m"]) + ["openrlhf_ess.cli.train_ppo_ray"] + args
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": run_dir, **(env or {})}
+    LAST_RUN.clear()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=full_env)
-    return proc.returncode, open(os.path.join(run_dir, "log.txt")).read()
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        with _Tree(proc.pid) as tree:
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise  # _Tree ends the rest of the run
+    deadline = time.time() + settle
+    while tree.alive() and time.time() < deadline:
+        time.sleep(0.5)
+    left = tree.alive()
+    LAST_RUN.update(leftovers=[f"{p.pid} {tree.seen[p.pid][1]}" for p in left], shm_left=tree.shm_left())
+    end_processes(left)
+    return rc, open(os.path.join(run_dir, "log.txt")).read()
 
 
 def read_tensorboard(run_dir: str) -> dict:

@@ -18,15 +18,25 @@ import time
 
 import psutil
 
+from openrlhf_ess.shm_cleanup import SHM_DIR, files_of, mapped_shm
 from tests.helpers.e2e import REPO
 
 
 class _Tree:
-    """Every process seen under ``root`` so far: {pid: (create_time, command line)}."""
+    """Every process seen under ``root`` so far: {pid: (create_time, command line)}; and the /dev/shm files they
+    were seen using (``shm``: names, looked at every 2 s).
+
+    Leaving the ``with`` block by an exception (a failed assertion, a timeout, Ctrl-C) ends every recorded process
+    still alive, by PID: a failing test never leaves its run behind (issue 21, item 12)."""
+
+    SHM_EVERY = 10  # polls (0.2 s apart) between two looks at the processes' /dev/shm files
 
     def __init__(self, root: int):
         self.root = root
         self.seen = {}
+        self.shm = {}  # (device, inode) of a /dev/shm file the run's processes used -> when last seen
+        self.shm_names = set()
+        self._polls = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -34,16 +44,20 @@ class _Tree:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         self._stop.set()
         self._thread.join()
+        if exc_type is not None:
+            self.sample()
+            end_processes(self.alive(), grace=5)
 
     def _poll(self):
         while not self._stop.is_set():
-            self.sample()
+            self._polls += 1
+            self.sample(shm=self._polls % self.SHM_EVERY == 1)
             self._stop.wait(0.2)
 
-    def sample(self):
+    def sample(self, shm: bool = True):
         try:
             root = psutil.Process(self.root)
             procs = [root] + root.children(recursive=True)
@@ -55,6 +69,14 @@ class _Tree:
                     self.seen[p.pid] = (p.create_time(), " ".join(p.cmdline())[:200])
             except psutil.Error:
                 pass
+            if shm:
+                used = mapped_shm(p.pid)
+                self.shm.update(dict.fromkeys(used, time.time()))
+                self.shm_names.update(used.values())
+
+    def shm_left(self):
+        """The /dev/shm files the run's processes were seen using that still exist."""
+        return files_of(self.shm)
 
     def alive(self):
         """The recorded processes that still exist (same PID and same start time), as psutil objects."""
@@ -88,29 +110,38 @@ def end_processes(procs, grace: float = 10.0) -> None:
 class TrackedRun:
     """Result of :func:`run_cli_tracked`."""
 
-    def __init__(self, rc, log, seconds, ended_at, timed_out, leftovers, n_processes):
+    def __init__(self, rc, log, seconds, ended_at, timed_out, leftovers, n_processes, shm_left=(), shm_counts=None):
         self.rc, self.log, self.seconds, self.timed_out = rc, log, seconds, timed_out
         self.ended_at = ended_at  # time.time() when the CLI process had exited
         self.leftovers = leftovers  # processes of this run still alive after it ended (then ended by us)
         self.n_processes = n_processes
+        self.shm_left = list(shm_left)  # /dev/shm files the run's processes used that are still there
+        self.shm_counts = shm_counts  # (entries in /dev/shm before the run, after it): other runs change it too
 
 
-def run_cli_tracked(args: list, run_dir: str, timeout: int = 600, env=None, settle: float = 20.0) -> TrackedRun:
+def run_cli_tracked(
+    args: list, run_dir: str, timeout: int = 600, env=None, settle: float = 20.0, during=None
+) -> TrackedRun:
     """Run ``python -m openrlhf_ess.cli.train_ppo_ray ARGS`` with a time limit and leave no process behind.
 
     ``settle``: seconds the run's processes get to exit by themselves after the CLI exits (Ray's
     shutdown signals them asynchronously); whatever is still there after that is a leftover.
+    ``during(proc, tree)``: called once the run has started, while it is tracked (e.g. to signal it at a point of
+    its progress); the run's end is awaited after it returns. An exception inside it ends the whole run.
     """
     cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray"] + args
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": run_dir, **(env or {})}
     log_path = os.path.join(run_dir, "log.txt")
     t0 = time.time()
     timed_out = False
+    shm_before = len(os.listdir(SHM_DIR))
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
         with _Tree(proc.pid) as tree:
+            if during is not None:
+                during(proc, tree)
             try:
-                rc = proc.wait(timeout=timeout)
+                rc = proc.wait(timeout=max(1.0, timeout - (time.time() - t0)))
             except subprocess.TimeoutExpired:
                 timed_out = True
                 tree.sample()
@@ -128,7 +159,8 @@ def run_cli_tracked(args: list, run_dir: str, timeout: int = 600, env=None, sett
         shutil.rmtree(args[args.index("--ray.temp_dir") + 1], ignore_errors=True)
     with open(log_path) as f:
         text = f.read()
-    return TrackedRun(rc, text, seconds, ended_at, timed_out, leftovers, len(tree.seen))
+    shm_counts = (shm_before, len(os.listdir(SHM_DIR)))
+    return TrackedRun(rc, text, seconds, ended_at, timed_out, leftovers, len(tree.seen), tree.shm_left(), shm_counts)
 
 
 # A reward file for --reward.remote_url that kills the vLLM engine it runs in (upstream calls the reward

@@ -23,7 +23,7 @@ from openrlhf.trainer.ray import ppo_actor as _upstream  # noqa: E402
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
-from openrlhf_ess.trainer import ess_lr, kl_k2, sampling_mask  # noqa: E402
+from openrlhf_ess.trainer import ess_lr, kl_k2, sampling_mask, saving  # noqa: E402
 from openrlhf_ess.trainer.prox_sources import ProxSources  # noqa: E402
 from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
 
@@ -188,13 +188,39 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
         if ours:
             self.trainer.load_checkpoint_state(ours)
 
+    def selfcheck_canary(self):
+        """Start-up self-check (all ranks; ``selfcheck.py``): engines vs trainer on the canary before any sync."""
+        return self.trainer.weight_sync.startup_canary()
+
     def save_checkpoint(self, tag, client_states=None, metric_value=None, metric_key=None):
         """Extends upstream's: our trainer state (e.g. the EWMA weights) goes into the same checkpoint."""
         client_states = dict(client_states or {})
         ours = self.trainer.checkpoint_state()
         if ours:
             client_states[CHECKPOINT_KEY] = ours
-        return super().save_checkpoint(tag, client_states, metric_value, metric_key)
+        try:
+            return super().save_checkpoint(tag, client_states, metric_value, metric_key)
+        except (OSError, RuntimeError) as e:  # a folder that cannot be written: say why (torch's words hide it)
+            ours = saving.checkpoint_write_error(e, self.strategy.args.ckpt.path, tag)
+            if ours is None:
+                raise
+            raise ours from e
+
+    def save_model(self):
+        """Overrides upstream's final save (upstream's train() calls it once, after fit): the same weights and files
+        (upstream's ``strategy.save_model``), written under a temporary name inside --ckpt.output_dir and renamed
+        into place, or, if that folder cannot be written, to a fallback folder with an error naming both
+        (``trainer/saving.py``)."""
+        strategy, args = self.strategy, self.strategy.args
+        model = self.ema_model if args.train.enable_ema else self.actor
+        saving.save_final_model(
+            lambda folder: strategy.save_model(model, self.tokenizer, folder),
+            args.ckpt.output_dir,
+            rank0=strategy.is_rank_0(),
+            agree=lambda ok: strategy.all_reduce(0.0 if ok else 1.0, "max") == 0.0,
+            barrier=upstream.save_model_barrier,
+            fault=lambda: saving.injected_fault(upstream.unwrap_model(strategy, model)),
+        )
 
     def score_streams(self, version: int, streams, kept=None) -> list:
         """interrupt mode: π_version of token streams (see ActorPPOTrainer.score_streams); ``kept``: their

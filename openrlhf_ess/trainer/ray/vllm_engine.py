@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import functools
 import logging
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -22,6 +23,7 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamRollout
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED  # noqa: E402  (kept-count tag of unsampled tokens)
+from openrlhf_ess.utils.agent import SingleTurnAgentExecutor  # noqa: E402
 
 WORKER_EXTENSION = "openrlhf_ess.trainer.ray.vllm_worker_wrap.WorkerWrap"
 NO_VERSION = -1  # version tag of tokens the engine did not sample (prompt, environment feedback)
@@ -185,6 +187,8 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         track_versions: bool = False,
         report_outgoing=False,
         report_kept_counts=False,
+        reward_timeout_s: Optional[float] = None,
+        reward_failure_policy: str = "off",
         **kwargs,
     ):
         """Extends upstream's init.
@@ -197,6 +201,8 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         ``report_kept_counts`` (--algo.sampling_mask keep): every sampled token's kept-support size k_t
         (``response["rollout_kept_counts"]``, and ``"kept"`` in ``outgoing_streams``); needs the two above's
         tracking, so it implies ``track_versions``.
+        ``reward_timeout_s`` (a reward .py file): each reward_func call is bounded by it and guarded against
+        BaseException (``openrlhf_ess/utils/agent.py``); a failed call follows ``reward_failure_policy``.
         """
         self.force_logprobs = force_logprobs
         self.report_outgoing = report_outgoing
@@ -211,7 +217,13 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             # Set before the engine is built: the engine core and its workers inherit the environment (Ray TP
             # workers get every VLLM_* variable). Cost: V1's runner instead of V2's, for mask runs only.
             os.environ[V2_RUNNER_ENV] = "0"
-        await super().__init__(*args, **kwargs)
+        if reward_timeout_s is None:
+            await super().__init__(*args, **kwargs)
+        else:  # upstream's init, building our single-turn executor (the reward call's seam)
+            executor = functools.partial(
+                SingleTurnAgentExecutor, timeout_s=reward_timeout_s, failure_policy=reward_failure_policy
+            )
+            await upstream.rollout_actor_init_with(executor)(self, *args, **kwargs)
         # The sync check's canary (prompt_log_probs) is no rollout: it must not be tagged, nor reported to the
         # interrupt/dedicated π_prox modes as a stream to score at the next sync.
         self._untracked_generate = self.llm.generate
@@ -281,6 +293,36 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         ranks = [step[token].rank for step, token in zip(final.outputs[0].logprobs, final.outputs[0].token_ids)]
         calls = await self.llm.collective_rpc("kept_count_rank_calls")
         check_kept_count_contract(ranks, CONTRACT_TOP_K, calls)
+
+    async def contract_sample(self, token_ids: List[int], temperature, top_p, top_k, max_tokens) -> Dict[str, Any]:
+        """The start-up self-check's generation (``weight_sync.py::startup_canary``): ``max_tokens`` tokens after
+        ``token_ids`` with the run's sampling settings and a fixed seed (the same tokens for every caller), their
+        log-probs μ as the engine returns them and their ranks (k_t with the sampling mask). Not a rollout."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.utils import random_uuid
+
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k if top_k and top_k > 0 else 0,
+            logprobs=0,
+            seed=1234,
+            ignore_eos=True,
+        )
+        final = None
+        async for output in self._untracked_generate(
+            TokensPrompt(prompt_token_ids=token_ids), params, request_id=random_uuid()
+        ):
+            final = output
+        out = final.outputs[0]
+        steps = [step[token] for step, token in zip(out.logprobs, out.token_ids)]
+        return {
+            "tokens": list(out.token_ids),
+            "logprobs": [s.logprob for s in steps],
+            "ranks": [s.rank for s in steps],
+        }
 
     async def prompt_log_probs(self, token_ids: List[int]) -> List[float]:
         """log p(token_i | tokens_<i) for i >= 1 under the engine's current weights (temperature 1).
@@ -414,6 +456,8 @@ def engine_kwargs(args) -> Dict[str, Any]:
         extra["report_outgoing"] = True
     if config.sampling_mask_on(args):
         extra["report_kept_counts"] = True
+    if config.reward_file(args):  # each reward_func call bounded and guarded (openrlhf_ess/utils/agent.py)
+        extra.update(reward_timeout_s=args.reward.timeout_s, reward_failure_policy=args.reward.failure_policy)
     if args.vllm.dtype != "bfloat16":
         extra["dtype"] = args.vllm.dtype
     if not config.on_cuda(args):

@@ -1,0 +1,190 @@
+"""Shared-memory files a run leaves in /dev/shm, recorded while it runs and removed when it ends (issue 21, item 4).
+
+Who creates them. Every vLLM engine's processes (the engine actor, its EngineCore and worker processes):
+
+- ``psm_<hex>``: Python's ``multiprocessing.shared_memory.SharedMemory`` (its default name prefix). vLLM's
+  ``shm_broadcast.ShmRingBuffer`` (the message queues between the engine and its workers; 167 MB and 251 MB
+  apparent size here) creates them, unregisters them from multiprocessing's resource tracker, and unlinks them
+  only in ``__del__``;
+- ``sem.mp-<random>``: named POSIX semaphores of ``multiprocessing`` locks under the spawn/forkserver start
+  methods, unlinked by their finalizer or, if the process dies, by the resource tracker.
+
+Ray ends an engine actor's processes with signals at shutdown (and the whole process group when one dies), so
+neither ``__del__`` nor the resource tracker runs, and the files stay: 57 after ~30 runs.
+
+What the CLI does (:class:`ShmWatch`): while the run lives, a thread looks every :data:`INTERVAL_S` seconds at
+the /dev/shm files that the CLI's own process tree (the driver, its private Ray instance, Ray's workers, their vLLM
+processes) has mapped or open (``/proc/<pid>/maps``, ``/proc/<pid>/fd``), and records them by inode. When the run
+ends (exit 0, an error, SIGTERM: Ray's driver handler turns it into ``sys.exit``, SIGINT: ``KeyboardInterrupt``;
+an ``atexit`` hook, after Ray's own shutdown), it waits a few seconds for the tree to exit and removes the recorded
+files that still exist. A file no process of this run was seen using is never touched, so another run's files
+(or anything else in /dev/shm) are safe. Not covered: a file created and abandoned between two looks, SIGKILL of
+the CLI itself, and the nodes of a cluster joined with --ray.address (their processes are not the CLI's children).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+SHM_DIR = "/dev/shm"
+INTERVAL_S = 2.0
+_PREFIX = SHM_DIR + "/"
+
+
+def mapped_shm(pid: int) -> Dict[Tuple[int, int], str]:
+    """{(device, inode): name} of the /dev/shm files process ``pid`` has mapped or open; empty if unreadable.
+
+    By inode, not name: glibc's ``sem_open`` creates a named semaphore under a temporary name, maps it, links it to
+    its final name (``sem.mp-...``) and deletes the temporary one, so the mapping shows ``/dev/shm/sem.XXXXXX
+    (deleted)`` while the file left behind is the same inode under the final name."""
+    found: Dict[Tuple[int, int], str] = {}
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            lines = [line for line in f.read().decode(errors="replace").splitlines() if _PREFIX in line]
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(None, 5)
+        if len(parts) < 6 or not parts[5].startswith(_PREFIX):
+            continue
+        major, minor = parts[3].split(":")
+        key = (os.makedev(int(major, 16), int(minor, 16)), int(parts[4]))
+        found[key] = os.path.basename(parts[5].replace(" (deleted)", ""))
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        fds = []
+    for fd in fds:
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if not os.readlink(path).startswith(_PREFIX):
+                continue
+            st = os.stat(path)
+        except OSError:
+            continue
+        found[(st.st_dev, st.st_ino)] = os.path.basename(os.readlink(path).replace(" (deleted)", ""))
+    return found
+
+
+def files_of(seen: Dict[Tuple[int, int], object]) -> List[str]:
+    """Names of the /dev/shm entries that are files recorded in ``seen`` ({(device, inode): time last seen, or
+    (time, name)}): the same inode under the name it was seen with, or, for a file seen under another name (a
+    semaphore's temporary name), one that already existed then (a newer file that got a freed inode number is
+    someone else's). Not by change time alone: writes through a shared mapping update a ring buffer's ctime while
+    it lives, so a queue last sampled seconds before its final writes would be skipped (a psm_* file left)."""
+    out = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(SHM_DIR, name))
+        except OSError:
+            continue
+        record = seen.get((st.st_dev, st.st_ino))
+        if record is None:
+            continue
+        last, seen_as = record if isinstance(record, tuple) else (record, None)
+        if seen_as == name or st.st_ctime <= last + 1.0:
+            out.append(name)
+    return sorted(out)
+
+
+def in_use_outside(tree_pids: Iterable[int]) -> Set[Tuple[int, int]]:
+    """(device, inode) of the /dev/shm files that a live process outside ``tree_pids`` has mapped or open."""
+    skip = set(tree_pids)
+    used: Set[Tuple[int, int]] = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in skip:
+            used.update(mapped_shm(int(entry)))
+    return used
+
+
+def _tree(root: int) -> List[Tuple[int, float]]:
+    """(pid, start time) of ``root`` and its descendants."""
+    import psutil
+
+    try:
+        proc = psutil.Process(root)
+        procs = [proc] + proc.children(recursive=True)
+    except psutil.Error:
+        return []
+    out = []
+    for p in procs:
+        try:
+            out.append((p.pid, p.create_time()))
+        except psutil.Error:
+            pass
+    return out
+
+
+def _alive(seen: Iterable[Tuple[int, float]], exclude: int) -> List[int]:
+    import psutil
+
+    alive = []
+    for pid, created in seen:
+        if pid == exclude:
+            continue
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
+class ShmWatch:
+    """Records the /dev/shm files this process's tree uses; :meth:`cleanup` removes those left (module docstring)."""
+
+    def __init__(self, root: Optional[int] = None, interval_s: float = INTERVAL_S):
+        self.root = os.getpid() if root is None else root
+        self.interval_s = interval_s
+        self.files: Dict[Tuple[int, int], Tuple[float, str]] = {}  # (device, inode) -> (last seen in use, name)
+        self.seen: Set[Tuple[int, float]] = set()  # (pid, start time) of the tree's processes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="openrlhf-ess-shm-watch", daemon=True)
+        self._lock = threading.Lock()
+
+    def start(self) -> "ShmWatch":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def sample(self) -> None:
+        tree = _tree(self.root)
+        now = time.time()
+        found = {key: (now, name) for pid, _ in tree for key, name in mapped_shm(pid).items()}
+        with self._lock:
+            self.seen.update(tree)
+            self.files.update(found)
+
+    def cleanup(self, wait_s: float = 10.0) -> List[str]:
+        """Stop watching, give the run's other processes ``wait_s`` seconds to exit, then remove the recorded
+        files that still exist; returns the names removed."""
+        self._stop.set()
+        self.sample()  # processes still there now, and what they map
+        deadline = time.time() + wait_s
+        while _alive(self.seen, self.root) and time.time() < deadline:
+            time.sleep(0.2)
+        with self._lock:
+            left = files_of(self.files)
+        others = in_use_outside(pid for pid, _ in self.seen) if left else set()
+        removed = []
+        for name in left:
+            try:
+                st = os.lstat(os.path.join(SHM_DIR, name))
+                if (st.st_dev, st.st_ino) in others:  # another process uses it: not ours to remove
+                    continue
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                continue  # its owner removed it meanwhile, as it should
+            removed.append(name)
+        return removed

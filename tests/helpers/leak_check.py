@@ -1,0 +1,151 @@
+"""Session-wide check: no process a test started outlives the test session (issue 21, item 12).
+
+A failing real-stack test used to leave its whole run alive (the CLI, Ray, the actors, vLLM), slowing and breaking
+the tests after it. Tests end what they start (``tests/helpers/faults.py::_Tree``, ``tests/helpers/e2e.py::run_cli``);
+this pytest plugin is the backstop, registered by ``tests/conftest.py``:
+
+- at session start it sets :data:`MARKER` in the environment to a token of this session, so every process started
+  from now on by the tests, directly or not (the CLI, its Ray instance and workers, vLLM's processes), inherits it;
+  and it remembers the children the session already had;
+- at session end (every fixture torn down) a process is the session's if it carries the token in its initial
+  environment (``/proc/<pid>/environ``: found even after it was re-parented to init) or descends from this pytest
+  process. The interpreter's own helpers that live until it exits (multiprocessing's resource tracker and
+  forkserver, torch's compile workers) are not leaks. Those still alive after :data:`GRACE_S` (a last run's
+  processes finishing their shutdown) are reported with their command line and the test that was running when
+  each started, ended by PID, and the session fails.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import List, Optional, Tuple
+
+import psutil
+
+MARKER = "OPENRLHF_ESS_TEST_SESSION"
+GRACE_S = float(os.environ.get("OPENRLHF_ESS_LEAK_GRACE_S", "30"))
+# Helpers of the pytest interpreter itself, which end when it does (not started by a test's run).
+_SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "_inductor/compile_worker")
+
+
+class LeakCheck:
+    def __init__(self):
+        self.pid = os.getpid()
+        self.token = f"{self.pid}-{time.time():.6f}"
+        os.environ[MARKER] = self.token
+        self.before = {(p.pid, _created(p)) for p in _children(self.pid)}
+        self.tests: List[Tuple[str, float, float]] = []  # (test id, start, end)
+        self._current: Optional[Tuple[str, float]] = None
+
+    def test_started(self, nodeid: str) -> None:
+        self._current = (nodeid, _now())
+
+    def test_finished(self, nodeid: str) -> None:
+        if self._current is not None:
+            self.tests.append((self._current[0], self._current[1], _now()))
+            self._current = None
+
+    def _started_by(self, created: float) -> str:
+        for nodeid, start, end in self.tests:
+            if start - 0.5 <= created <= end + 0.5:
+                return nodeid
+        return "a session fixture or between tests"
+
+    def ours(self) -> List[psutil.Process]:
+        found = {p.pid: p for p in _children(self.pid)}
+        for p in psutil.process_iter():
+            if p.pid in found or p.pid == self.pid:
+                continue
+            try:
+                if p.environ().get(MARKER) == self.token:
+                    found[p.pid] = p
+            except psutil.Error:
+                continue
+        out = []
+        for p in found.values():
+            try:
+                if (p.pid, _created(p)) in self.before or p.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if any(helper in " ".join(p.cmdline()) for helper in _SESSION_HELPERS):
+                    continue
+            except psutil.Error:
+                continue
+            out.append(p)
+        return out
+
+    def finish(self, grace_s: float = GRACE_S) -> List[str]:
+        """The session's processes still alive after ``grace_s`` (described), each then ended by its PID."""
+        deadline = time.time() + grace_s
+        left = self.ours()
+        while left and time.time() < deadline:
+            time.sleep(1.0)
+            left = self.ours()
+        report = []
+        for p in left:
+            try:
+                report.append(
+                    f"pid {p.pid} ({' '.join(p.cmdline())[:160]}), started during {self._started_by(p.create_time())}"
+                )
+            except psutil.Error:
+                continue
+        from tests.helpers.faults import end_processes
+
+        end_processes(left)
+        return report
+
+
+def _now() -> float:
+    """Now on psutil's create_time clock (boot time from /proc/stat, in whole seconds, + time since boot): the wall
+    clock can differ from it by seconds."""
+    return psutil.boot_time() + time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _children(pid: int) -> List[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _created(p: psutil.Process) -> float:
+    try:
+        return p.create_time()
+    except psutil.Error:
+        return 0.0
+
+
+# ---- pytest hooks (tests/conftest.py imports them; `-p tests.helpers.leak_check` loads them as a plugin) ----------
+
+_check: Optional[LeakCheck] = None
+
+
+def pytest_sessionstart(session) -> None:
+    global _check
+    _check = LeakCheck()
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    if _check is not None:
+        _check.test_started(nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location) -> None:
+    if _check is not None:
+        _check.test_finished(nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if _check is None:
+        return
+    leaks = _check.finish()
+    if not leaks:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"{len(leaks)} process(es) started by the tests outlived them (now ended by PID):"] + leaks
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        else:
+            print(line)
+    session.exitstatus = 1
