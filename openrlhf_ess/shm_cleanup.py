@@ -17,9 +17,12 @@ the /dev/shm files that the CLI's own process tree (the driver, its private Ray 
 processes) has mapped or open (``/proc/<pid>/maps``, ``/proc/<pid>/fd``), and records them by inode. When the run
 ends (exit 0, an error, SIGTERM: Ray's driver handler turns it into ``sys.exit``, SIGINT: ``KeyboardInterrupt``;
 an ``atexit`` hook, after Ray's own shutdown), it waits a few seconds for the tree to exit and removes the recorded
-files that still exist. A file no process of this run was seen using is never touched, so another run's files
-(or anything else in /dev/shm) are safe. Not covered: a file created and abandoned between two looks, SIGKILL of
-the CLI itself, and the nodes of a cluster joined with --ray.address (their processes are not the CLI's children).
+files that still exist (the same inode under the name seen, a semaphore under any ``sem.`` name) and that no
+process outside the run maps or holds open (the run's processes carry :data:`RUN_ENV`, set before Ray starts, so
+one the watch never sampled still counts as the run's). A file no process of this run was seen using is never
+touched, so another run's files (or anything else in /dev/shm) are safe. Not covered: a file created and
+abandoned between two looks, SIGKILL of the CLI itself, and the nodes of a cluster joined with --ray.address
+(their processes are not the CLI's children).
 """
 
 from __future__ import annotations
@@ -71,10 +74,11 @@ def mapped_shm(pid: int) -> Dict[Tuple[int, int], str]:
 
 def files_of(seen: Dict[Tuple[int, int], object]) -> List[str]:
     """Names of the /dev/shm entries that are files recorded in ``seen`` ({(device, inode): time last seen, or
-    (time, name)}): the same inode under the name it was seen with, or, for a file seen under another name (a
-    semaphore's temporary name), one that already existed then (a newer file that got a freed inode number is
-    someone else's). Not by change time alone: writes through a shared mapping update a ring buffer's ctime while
-    it lives, so a queue last sampled seconds before its final writes would be skipped (a psm_* file left)."""
+    (time, name)}): the same inode under the name it was seen with (a semaphore: under any ``sem.`` name, as it is
+    mapped under its temporary one), or, for a file seen under another name, one that already existed then (a
+    newer file that got a freed inode number is someone else's). Not by change time alone: writes through a
+    shared mapping update a ring buffer's ctime while it lives, so a queue last sampled seconds before its final
+    writes would be skipped (a psm_* file left)."""
     out = []
     try:
         names = os.listdir(SHM_DIR)
@@ -89,17 +93,33 @@ def files_of(seen: Dict[Tuple[int, int], object]) -> List[str]:
         if record is None:
             continue
         last, seen_as = record if isinstance(record, tuple) else (record, None)
-        if seen_as == name or st.st_ctime <= last + 1.0:
+        # a semaphore is mapped under its temporary name (sem.XXXXXX) and left under its final one (sem.mp-...)
+        same = seen_as == name or (seen_as or "").startswith("sem.") and name.startswith("sem.")
+        if same or st.st_ctime <= last + 1.0:
             out.append(name)
     return sorted(out)
 
 
-def in_use_outside(tree_pids: Iterable[int]) -> Set[Tuple[int, int]]:
-    """(device, inode) of the /dev/shm files that a live process outside ``tree_pids`` has mapped or open."""
+RUN_ENV = "OPENRLHF_ESS_RUN"  # set by ShmWatch in the CLI's environment: every process of the run inherits it
+
+
+def _of_run(pid: int, token: str) -> bool:
+    """Whether process ``pid`` carries the run's token in its initial environment (re-parented ones included)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f"{RUN_ENV}={token}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def in_use_outside(tree_pids: Iterable[int], token: Optional[str] = None) -> Set[Tuple[int, int]]:
+    """(device, inode) of the /dev/shm files that a live process outside the run has mapped or open: not one of
+    ``tree_pids`` and not carrying the run's ``token`` (an engine process of the run that the watch never sampled,
+    or that was re-parented while exiting, carries it)."""
     skip = set(tree_pids)
     used: Set[Tuple[int, int]] = set()
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) not in skip:
+        if entry.isdigit() and int(entry) not in skip and not (token and _of_run(int(entry), token)):
             used.update(mapped_shm(int(entry)))
     return used
 
@@ -149,6 +169,7 @@ class ShmWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="openrlhf-ess-shm-watch", daemon=True)
         self._lock = threading.Lock()
+        self.token = os.environ.setdefault(RUN_ENV, f"{self.root}-{time.time():.6f}")  # before Ray starts
 
     def start(self) -> "ShmWatch":
         self._thread.start()
@@ -176,7 +197,7 @@ class ShmWatch:
             time.sleep(0.2)
         with self._lock:
             left = files_of(self.files)
-        others = in_use_outside(pid for pid, _ in self.seen) if left else set()
+        others = in_use_outside((pid for pid, _ in self.seen), self.token) if left else set()
         removed = []
         for name in left:
             try:
