@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,19 +58,35 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     # The beta sweep of issue 15 §3 (β = 0.9 is "TIS + EWMA" above)
     "TIS + EWMA β=0.3": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.3"],
     "TIS + EWMA β=0.6": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.6"],
+    # The other π_prox modes (issue 22 §1: every correction where uncorrected async overshoots)
+    "TIS + interrupt": TIS + ["--algo.prox_mode", "interrupt"],
+    "TIS + dedicated": TIS + ["--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "0.2"],
+    "TIS + loglinear": TIS + ["--algo.prox_mode", "loglinear"],
 }
 ALL_CORRECTIONS = {**CORRECTIONS, **EXTRA_CORRECTIONS}
 STALENESS: Dict[str, List[str]] = {
     "sync": [],
     "async q1 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "1"],
     "async q4 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "4"],
-    # Not in the default grid: a deeper queue, for the search of a regime where staleness hurts (staleness.md)
-    "async q8 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "8"],
 }
+# Not in the default grid: the other queue depths of issue 22's sweep (q8 also served the regime search)
+for _q in (2, 8, 16):
+    STALENESS[f"async q{_q} + partial"] = STALENESS["async q1 + partial"][:-1] + [str(_q)]
+STALENESS = {k: STALENESS[k] for k in sorted(STALENESS, key=lambda k: -1 if k == "sync" else int(k[7:].split()[0]))}
 DEFAULT_STALENESS = ["sync", "async q1 + partial", "async q4 + partial"]
 # In synchronous training every token is lag 0: the exact and EWMA proximal policies equal recompute's.
 SYNC_CORRECTIONS = ("none", "TIS", "bypass")
-CURVES = ("train/reward", "train/version_lag/mean", "train/rho_ess", "train/lr_scale", "train/tis/clip_frac")
+CURVES = (
+    "train/reward",
+    "train/version_lag/mean",
+    "train/rho_ess",
+    "train/lr_scale",
+    "train/tis/clip_frac",
+    "train/digit_fraction",
+    "train/ppo_clip_ratio",
+)
+# The tasks: the monotone digit reward (tiny/reward.py) and the interior optimum f* = 0.5 (tiny/reward_target.py)
+TASKS = ("digits", "target")
 # Reward against wall-clock: seconds since the CLI was launched (start-up included) when each step was logged.
 WALL = "wall/reward"
 
@@ -142,6 +159,83 @@ def final_reward(curve, window: int) -> float:
 
 def reached(curve, threshold: float = 0.9) -> bool:
     return any(v >= threshold for _, v in curve)
+
+
+def distance_stats(fractions: List[float], target: float, window: int, near: float = 0.05) -> Dict[str, float]:
+    """The interior-optimum task's trajectory measures, from the per-step batch mean digit fraction f_t.
+
+    - ``final``: |f − f*| averaged over the last ``window`` steps (0 = settled at the optimum);
+    - ``start``: |f − f*| averaged over the first 4 steps;
+    - ``overshoot``: how far f went past f* on the far side from where it started, max_t s·(f_t − f*) with
+      s = −sign(f_0 − f*), after the first crossing (0 when f never reached f*);
+    - ``reach``: the first step with |f − f*| ≤ ``near`` (None: never);
+    - ``diverged``: 1 when the run ended further from f* than it started (``final`` > ``start``).
+
+    f_t is the mean over the batch trained on at step t, sampled by a policy up to the lag versions old. The
+    batch mean is noisy (32 samples of ≤ 16 characters), so f_t crosses f* back and forth even when settled:
+    sign changes do not measure oscillation; ``final`` and ``overshoot`` do.
+    """
+    dist = [f - target for f in fractions]
+    if not dist:
+        return {"final": float("nan"), "start": float("nan"), "overshoot": 0.0, "reach": None, "diverged": 0}
+    side = -1.0 if dist[0] < 0 else 1.0  # the side f starts on; overshoot is measured on the other one
+    first = next((i for i, d in enumerate(dist) if d * side <= 0), None)
+    overshoot = max(0.0, max(-side * d for d in dist[first:])) if first is not None else 0.0
+    reach = next((i + 1 for i, d in enumerate(dist) if abs(d) <= near), None)
+    final = statistics.mean(abs(d) for d in dist[-window:])
+    start = statistics.mean(abs(d) for d in dist[:4])
+    return {"final": final, "start": start, "overshoot": overshoot, "reach": reach, "diverged": int(final > start)}
+
+
+def _span(values: List[float], fmt: str = "{:.3f}") -> str:
+    return f"{fmt.format(statistics.mean(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
+
+
+def write_target_table(results: dict, path: str, command: str, window: int, target: float) -> None:
+    """results.md for the interior-optimum task: reward, the distance to f*, overshoot, oscillation, ρ and the
+    LR scale per configuration (mean [min, max] over seeds)."""
+    lines = [
+        "# Staleness experiment on the interior-optimum reward: raw results",
+        "",
+        f"Command: `{command}`. Reward = 1 − |f − f*| / max(f*, 1 − f*) with f the response's digit fraction and",
+        f"f* = {target} (openrlhf_ess/tiny/reward_target.py). Every cell: mean [min, max] over seeds.",
+        f"Final reward and final |f − f*| = mean of the last {window} steps; AUC = mean reward over all steps.",
+        "Overshoot = furthest f went past f* after first reaching it (0 = never past); steps to f* = first step",
+        "with |f − f*| ≤ 0.05 (runs that never get there counted after the slash); diverged = runs that ended",
+        "further from f* than they started. ρ min / LR scale min = smallest ρ_ESS = ESS/B and ESS-LR scale",
+        "logged (– when not logged). Lag = mean version lag (runs without any of our flags use upstream's",
+        "controllers, which do not tag versions).",
+        "Wall = seconds from launch to the end of the run (start-up included).",
+        "",
+        "| staleness | correction | final reward | AUC | final \\|f − f*\\| | overshoot | steps to f* | diverged "
+        "| mean lag | ρ min | LR scale min | wall (s) | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, runs in results.items():
+        level, name = key.split(" | ")
+        stats = [distance_stats([v for _, v in r["train/digit_fraction"]], target, window) for r in runs]
+        finals = [final_reward(r["train/reward"], window) for r in runs]
+        aucs = [statistics.mean(v for _, v in r["train/reward"]) for r in runs]
+        lags = [
+            statistics.mean(v for _, v in r["train/version_lag/mean"]) for r in runs if r["train/version_lag/mean"]
+        ]
+        lag = f"{statistics.mean(lags):.2f}" if lags else ("0" if level == "sync" else "not logged")
+        rho = [min(v for _, v in r["train/rho_ess"]) for r in runs if r.get("train/rho_ess")]
+        scale = [min(v for _, v in r["train/lr_scale"]) for r in runs if r.get("train/lr_scale")]
+        walls = [r["wall/total_s"] for r in runs if "wall/total_s" in r]
+        reach = [x["reach"] for x in stats if x["reach"] is not None]
+        steps = _span(reach, "{:.1f}") if reach else "never"
+        if reach and len(reach) < len(runs):
+            steps += f" / {len(runs) - len(reach)} never"
+        lines.append(
+            f"| {level} | {name} | {_span(finals)} | {_span(aucs)} | {_span([x['final'] for x in stats])} "
+            f"| {_span([x['overshoot'] for x in stats])} | {steps} "
+            f"| {sum(x['diverged'] for x in stats)}/{len(runs)} | {lag} "
+            f"| {f'{min(rho):.3f}' if rho else '–'} | {f'{min(scale):.3f}' if scale else '–'} "
+            f"| {f'{statistics.mean(walls):.0f}' if walls else '–'} | {len(runs)} |"
+        )
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def write_table(results: dict, path: str, command: str, window: int) -> None:
@@ -269,6 +363,106 @@ def plot(results: dict, out: str, levels: List[str]) -> List[str]:
     return paths
 
 
+def plot_target(results: dict, out: str, levels: List[str], target: float) -> str:
+    """fraction.png: the digit fraction f of each step's batch against the optimum f*, one panel per staleness
+    level, one line per correction (mean over seeds, min–max band)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(levels), figsize=(5.2 * len(levels), 4.4), sharey=True, squeeze=False)
+    for ax, level in zip(axes[0], levels):
+        for key, runs in results.items():
+            if key.startswith(level + " | "):
+                steps, mean, lo, hi = _band(runs, "train/digit_fraction")
+                (line,) = ax.plot(steps, mean, label=key.split(" | ")[1])
+                ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
+        ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"optimum f* = {target}")
+        ax.set_title(level)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("digit fraction f of the trained batch")
+    fig.suptitle(
+        "Interior-optimum task: the digit fraction over training (mean over seeds, min–max band). "
+        "Good: reaches the dashed line and stays on it; above it = overshoot.",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path = os.path.join(out, "fraction.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_comparison(results: dict, out: str, task: str) -> str:
+    """comparison.png: every configuration on the same axes (mean over its seeds): reward per step, the digit
+    fraction against f* (interior-optimum task) and reward against wall-clock."""
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = ["reward"] + (["fraction"] if task == "target" else []) + ["wall"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.4 * len(panels), 4.6), squeeze=False)
+    for key, runs in results.items():
+        label = key.replace(" | ", ": ")
+        for ax, panel in zip(axes[0], panels):
+            if panel == "wall":
+                n = min(len(run.get(WALL) or []) for run in runs)
+                if n:  # from the first logged step: start-up (70–150 s here, machine load) is left out
+                    wall = [statistics.mean(run[WALL][i][0] - run[WALL][0][0] for run in runs) for i in range(n)]
+                    ax.plot(wall, [statistics.mean(run[WALL][i][1] for run in runs) for i in range(n)], label=label)
+                continue
+            steps, mean, _, _ = _band(runs, "train/reward" if panel == "reward" else "train/digit_fraction")
+            ax.plot(steps, mean, label=label)
+    titles = {
+        "reward": ("reward per training step", "training step", "reward (1 = best)"),
+        "fraction": ("digit fraction f of the trained batch", "training step", "digit fraction f"),
+        "wall": ("reward against wall-clock", "seconds since the first training step", "reward (1 = best)"),
+    }
+    for ax, panel in zip(axes[0], panels):
+        title, xlabel, ylabel = titles[panel]
+        if panel == "fraction":
+            from openrlhf_ess.tiny.reward_target import TARGET
+
+            ax.axhline(TARGET, color="black", linestyle="--", linewidth=1, label=f"optimum f* = {TARGET}")
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    seeds = min(len(runs) for runs in results.values())
+    caption = (
+        f"Tiny CPU world, {'interior-optimum reward 1 − |f − 0.5|/0.5' if task == 'target' else 'digit reward'}; "
+        f"{'one seed' if seeds == 1 else f'mean over {seeds} seeds'}. Good: the reward rises fast and stays high"
+        + ("; f reaches the dashed line and stays on it (above it = overshoot)." if task == "target" else ".")
+    )
+    fig.suptitle("Synchronous vs asynchronous training, with and without corrections")
+    fig.supxlabel("\n".join(textwrap.wrap(caption, 150)), fontsize=9, color="dimgrey")
+    fig.tight_layout()
+    path = os.path.join(out, "comparison.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render(results: dict, out: str, command: str, levels: List[str], task: str) -> List[str]:
+    """results.md and the plots of one results dict."""
+    if task == "target":
+        from openrlhf_ess.tiny.reward_target import TARGET
+
+        write_target_table(results, os.path.join(out, "results.md"), command, window=8, target=TARGET)
+        extra = [plot_target(results, out, levels, TARGET)]
+    else:
+        write_table(results, os.path.join(out, "results.md"), command, window=8)
+        extra = []
+    return plot(results, out, levels) + extra + [plot_comparison(results, out, task)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3, help="training seeds per configuration")
@@ -277,6 +471,13 @@ def main() -> None:
     parser.add_argument("--staleness", nargs="*", default=DEFAULT_STALENESS, help=f"subset of {list(STALENESS)}")
     parser.add_argument(
         "--corrections", nargs="*", default=list(CORRECTIONS), help=f"subset of {list(ALL_CORRECTIONS)}"
+    )
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default="digits",
+        help="digits: reward = digit fraction (monotone); target: reward peaks at a digit fraction of 0.5 "
+        "(tiny/reward_target.py, issue 22), where stale samples can push the policy past the optimum",
     )
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "staleness"))
     parser.add_argument("--workdir", default=None, help="where runs are written (default: a new temp dir)")
@@ -297,14 +498,15 @@ def main() -> None:
         os.makedirs(a.out, exist_ok=True)
         with open(a.from_json) as f:
             results = json.load(f)
-        write_table(results, os.path.join(a.out, "results.md"), "python -m benchmarks.staleness", window=8)
         levels = [lvl for lvl in STALENESS if any(k.startswith(lvl + " | ") for k in results)]
-        for path in plot(results, a.out, levels):
+        for path in render(results, a.out, "python -m benchmarks.staleness", levels, a.task):
             print(f"[staleness] wrote {path}")
         return
     root = a.workdir or tempfile.mkdtemp(prefix="ess_staleness_")
     os.makedirs(a.out, exist_ok=True)
     world = world_for(a, root, a.prompts)
+    if a.task == "target" and not a.model:
+        world["reward"] = os.path.join(REPO, "openrlhf_ess", "tiny", "reward_target.py")
     configs = list(grid(a.staleness, a.corrections))
     total = len(configs) * a.seeds
     print(f"[staleness] {total} runs into {root}", flush=True)
@@ -318,7 +520,18 @@ def main() -> None:
             run_dir = os.path.join(root, slug)
             os.makedirs(run_dir, exist_ok=True)
             t0 = time.time()
-            curves = run_once(a, world, config_flags(level, name), run_dir, seed=42 + seed)
+            try:
+                curves = run_once(a, world, config_flags(level, name), run_dir, seed=42 + seed)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # one retry, then the run is reported missing
+                print(f"[staleness] {key} seed {seed} failed ({e}); retrying once", flush=True)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                os.makedirs(run_dir)
+                try:
+                    curves = run_once(a, world, config_flags(level, name), run_dir, seed=42 + seed)
+                except (RuntimeError, subprocess.TimeoutExpired) as e2:
+                    print(f"[staleness] {key} seed {seed} failed twice ({e2}); left out", flush=True)
+                    done += 1
+                    continue
             results.setdefault(key, []).append(curves)
             done += 1
             eta = (time.time() - t_start) / done * (total - done)
@@ -330,8 +543,7 @@ def main() -> None:
             with open(os.path.join(a.out, "results.json"), "w") as f:
                 json.dump(results, f)
     command = "python -m benchmarks.staleness " + " ".join(sys.argv[1:])
-    write_table(results, os.path.join(a.out, "results.md"), command.strip(), window=8)
-    for path in plot(results, a.out, [lvl for lvl in a.staleness]):
+    for path in render(results, a.out, command.strip(), list(a.staleness), a.task):
         print(f"[staleness] wrote {path}")
     print(f"[staleness] wrote {a.out}/results.md, results.json ({(time.time() - t_start) / 60:.1f} min)")
 

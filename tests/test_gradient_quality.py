@@ -202,3 +202,26 @@ def test_quick_run_writes_its_results(tmp_path):
         assert lag["diagnostics"]["mu_err"] < 1e-4  # μ = the sampler's log-probs, checked by a separate forward
     assert regime["g_star_norm"] > 0
     assert results["seconds"] < 60
+
+
+def test_quick_run_with_the_real_engine_sampling_stale_batches(tmp_path):
+    """--sampler vllm-fp32: the stale batches come from the real vLLM CPU engine, its weights set to θ_{N−L}
+    through the package's sync path at each lag. In fp32 its μ matches the separate HF forward at θ_{N−L}
+    (mu_err); an engine still holding other weights (θ_0, or the previous lag's) would miss by far more, since
+    three Adam steps at lr 1e-2 move every log-prob by ~1e-2. Own process: vLLM keeps process-wide state."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "benchmarks.gradient_quality", "--quick", "--sampler", "vllm-fp32"]
+    cmd += ["--task", "target", "--out", str(tmp_path)]
+    run = subprocess.run(
+        cmd, cwd=gq.REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["task"] == "target" and "vLLM CPU engine in fp32" in results["sampler"]
+    (regime,) = results["regimes"].values()
+    for lag in regime["lags"].values():
+        assert lag["diagnostics"]["mu_err"] < 1e-3
+        assert 0 <= lag["diagnostics"]["reward_stale"] <= 1

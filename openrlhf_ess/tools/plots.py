@@ -46,6 +46,7 @@ class FigureSpec:
     filename: str
     title: str
     panels: Tuple[Panel, ...] = field(default_factory=tuple)
+    caption: str = ""  # one line under the figure: what it shows and what good looks like, for a reader without docs
 
 
 FIGURES: Tuple[FigureSpec, ...] = (
@@ -58,6 +59,10 @@ FIGURES: Tuple[FigureSpec, ...] = (
                 "reward",
                 (("train/reward", "train/reward"), ("train/rollout/reward_mean", "rollout reward mean")),
             ),
+        ),
+        caption=(
+            "Mean reward of the samples each step trains on (the task's scale; tiny world: 1 = best). Good: "
+            "rising, then flat near the best."
         ),
     ),
     FigureSpec(
@@ -77,6 +82,10 @@ FIGURES: Tuple[FigureSpec, ...] = (
                 (("train/actor_lr", "scheduler LR"), ("train/actor_lr_effective", "effective LR (used)")),
             ),
         ),
+        caption=(
+            "ρ = ESS/B of the per-sample weights π_prox/μ (1 = every sample counts equally). Good: near 1; the LR"
+            " multiplier drops below 1 only when a few samples dominate."
+        ),
     ),
     FigureSpec(
         "tis_weights.png",
@@ -94,6 +103,10 @@ FIGURES: Tuple[FigureSpec, ...] = (
                 (("train/tis/clip_frac", "clip fraction"),),
                 ylim=(0.0, 1.0),
             ),
+        ),
+        caption=(
+            "Token IS weights min(π_prox/μ, C) (--algo.tis_cap). Good: mean near 1 and few tokens clipped; a "
+            "growing clip fraction means samples are too stale or mismatched for the cap."
         ),
     ),
     FigureSpec(
@@ -118,6 +131,10 @@ FIGURES: Tuple[FigureSpec, ...] = (
                 ylim=(0.0, 1.0),
             ),
         ),
+        caption=(
+            "Weight syncs between the version that sampled a token and the update that uses it (0 = on-policy). "
+            "Async training trades lag for throughput; the corrections exist for lag ≥ 1."
+        ),
     ),
     FigureSpec(
         "mismatch.png",
@@ -139,6 +156,11 @@ FIGURES: Tuple[FigureSpec, ...] = (
                 (("train/mismatch/chi2", "chi2"),),
                 hline=(0.0, "no mismatch"),
             ),
+        ),
+        caption=(
+            "KL(μ‖π_prox) estimates in nats per token between the engine's sampling distribution μ and the "
+            "trainer's π_prox. Good: near 0; a rise means staleness (exact π_prox modes) or engine/trainer "
+            "numerics."
         ),
     ),
 )
@@ -197,13 +219,17 @@ def plot_figure(scalars: Scalars, spec: FigureSpec, path: str) -> bool:
     if not panels:
         return False
     # Figure + Agg canvas rather than pyplot: no global backend switch, nothing left open between figures.
-    fig = Figure(figsize=(8, 3.6 * len(panels)), layout="constrained")
+    fig = Figure(figsize=(8, 3.6 * len(panels) + 0.5), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, panel in zip(axes, panels):
         draw_panel(ax, scalars, panel)
     axes[-1].set_xlabel("training step")  # shared x axis: label the bottom panel only
     fig.suptitle(spec.title)
+    if spec.caption:
+        import textwrap
+
+        fig.supxlabel("\n".join(textwrap.wrap(spec.caption, 110)), fontsize="small", color="dimgrey")
     fig.savefig(path, dpi=100)
     return True
 
