@@ -298,9 +298,7 @@ class Tiny:
         from openrlhf_ess.tiny.reward_target import target_reward
 
         # digits: reward = digit fraction (tiny/reward.py); target: 1 − |f − 0.5| / 0.5 (tiny/reward_target.py)
-        self.reward_of = (
-            digit_fraction if task == "digits" else (lambda text: target_reward(digit_fraction(text)))
-        )
+        self.reward_of = digit_fraction if task == "digits" else (lambda text: target_reward(digit_fraction(text)))
         self.engine = None  # an EngineSampler: the stale batches come from the real vLLM engine
         self.tok = AutoTokenizer.from_pretrained(world["model"])
         self.tok.padding_side = "left"

@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_off_policy_arguments(parser)
     add_prox_arguments(parser)
     add_sampling_mask_arguments(parser)
+    add_routing_replay_arguments(parser)
     group = parser.add_argument_group("openrlhf-ess: engine and machine")
     group.add_argument(
         "--vllm.dtype",
@@ -47,6 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["bfloat16", "float16", "float32"],
         help="dtype of the vLLM engines (upstream hard-codes bfloat16, the default). float32 makes rollout "
         "log-probs match the trainer's to ~1e-5 on CPU; it doubles engine memory.",
+    )
+    group.add_argument(
+        "--vllm.fp32_lm_head",
+        action="store_true",
+        help="The engines compute the LM head (the final projection to the vocabulary) in fp32 and so the "
+        "log-softmax of fp32 logits, through vLLM's own option (hf_overrides head_dtype=float32). Removes the "
+        "bf16 rounding of the logits from the mismatch between mu and an fp32 trainer (docs/mismatch_sources.md). "
+        "Cost on CUDA: the logits of each step in fp32 (2 bytes more per vocabulary entry and token in the step); "
+        "elsewhere also an fp32 copy of the head's weight per step. Checked at start-up: every engine worker must "
+        "report an fp32 head. Not with --vllm.dtype float32 (already fp32) or a quantized LM head.",
     )
     group.add_argument(
         "--vllm.cpu_kv_cache_gb",
@@ -380,6 +391,28 @@ def sampling_mask_on(args: types.SimpleNamespace) -> bool:
     return getattr(args.algo, "sampling_mask", "off") == "keep"
 
 
+def add_routing_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("openrlhf-ess: MoE routing replay (R3)")
+    group.add_argument(
+        "--algo.routing_replay",
+        action="store_true",
+        help="MoE models: the engine returns the expert ids it chose per token and MoE layer, and the trainer's "
+        "forwards replay them: pi_theta (forward and backward of the training step), the pi_prox forwards and "
+        "pi_ref use the engine's experts, with gate weights from the trainer's own router (its gradient kept). "
+        "Removes the route flips (near-tied experts resolved differently by engine and trainer kernels) from the "
+        "train/rollout mismatch. Metrics: routing/replayed_frac, routing/disagree_frac (share of response "
+        "positions where the trainer's own top-k differs from the engine's). Cost: layers x top_k x (1 byte if "
+        "<= 256 experts, else 2) per token carried from engine to actors (Qwen3-30B-A3B: 48 x 8 = 384 B/token). "
+        "Needs vLLM >= 0.29 with enable_return_routed_experts (set by the engine; proved at start-up: not "
+        "available on vLLM's CPU backend) and a qwen2_moe, qwen3_moe, olmoe or mixtral model "
+        "(docs/routing_replay.md).",
+    )
+
+
+def routing_replay_on(args: types.SimpleNamespace) -> bool:
+    return bool(getattr(args.algo, "routing_replay", False))
+
+
 def truncates_sampling(args: types.SimpleNamespace) -> bool:
     """Whether the engines sample from a truncated distribution (top-p < 1 or top-k on)."""
     return 0 < args.rollout.top_p < 1 or getattr(args.rollout, "top_k", -1) > 0
@@ -439,6 +472,7 @@ def needs_our_controllers(args: types.SimpleNamespace) -> bool:
         needs_versions(args)
         or args.reward.failure_policy != "off"
         or args.rollout.top_k > 0  # upstream has no top-k flag: our generator passes it
+        or routing_replay_on(args)  # the engine's routes ride on our generator's samples
         or resume.applies(args)
     )
 
@@ -528,7 +562,15 @@ def validate(args: types.SimpleNamespace) -> List[str]:
         )
     if args.vllm.cpu_kv_cache_gb <= 0:
         raise ConfigError(f"--vllm.cpu_kv_cache_gb must be > 0, got {args.vllm.cpu_kv_cache_gb}.")
+    if args.vllm.fp32_lm_head and not args.vllm.num_engines:
+        raise ConfigError("--vllm.fp32_lm_head sets the vLLM engines' LM head: it needs --vllm.num_engines >= 1.")
+    if args.vllm.fp32_lm_head and args.vllm.dtype == "float32":
+        raise ConfigError(
+            "--vllm.fp32_lm_head with --vllm.dtype float32: the whole engine, its LM head included, is already "
+            "fp32, so the flag would change nothing. Drop it (or use --vllm.dtype bfloat16 with it)."
+        )
 
+    _validate_routing_replay(args)
     if on_cpu:
         if args.vllm.sync_backend == "nccl":
             args.vllm.sync_backend = RELOAD_BACKEND
@@ -781,6 +823,39 @@ def _validate_bypass(args: types.SimpleNamespace, notices: List[str]) -> None:
         notices.append(
             "--algo.prox_mode bypass with --algo.ess_lr_enable: every w_i = exp(mean(log pi_prox - log mu)) = 1, "
             "so rho_ess = 1 and the LR scale is 1 (the flag changes nothing in this mode)."
+        )
+
+
+def _validate_routing_replay(args: types.SimpleNamespace) -> None:
+    """--algo.routing_replay (docs/routing_replay.md); the model family is checked in pre-flight."""
+    if not routing_replay_on(args):
+        return
+    flag = "--algo.routing_replay"
+    if not args.vllm.num_engines:
+        raise ConfigError(f"{flag} replays the expert ids the vLLM engines chose: it needs --vllm.num_engines >= 1.")
+    if args.train.dynamic_batch_enable:
+        raise ConfigError(
+            f"{flag} with --train.dynamic_batch_enable is not supported yet: upstream's balance_experiences "
+            "rebuilds the batches from the Experience fields only, so the routes would not reach the actors. "
+            "Drop --train.dynamic_batch_enable, or drop --algo.routing_replay."
+        )
+    if args.ds.packing_samples or args.ds.ring_attn_size > 1:
+        raise ConfigError(
+            f"{flag} with --ds.packing_samples or --ds.ring_attn_size > 1: the routes are placed per padded row "
+            "(one row per sample, as upstream pads sequences), not on packed or ring-sliced tokens. Drop those "
+            "flags, or drop --algo.routing_replay."
+        )
+    if args.train.agent_func_path:
+        raise ConfigError(
+            f"{flag} with --train.agent_func_path is not supported yet: a multi-call agent sample's routes would "
+            "come from several engine requests, whose rows are not carried. Use the single-turn path "
+            "(--reward.remote_url), or drop --algo.routing_replay."
+        )
+    if args.algo.prox_mode in SCORE_AT_SYNC_MODES:
+        raise ConfigError(
+            f"{flag} with --algo.prox_mode {args.algo.prox_mode}: streams scored at a weight sync carry no routes, "
+            "so their pi_prox would use the trainer's own experts. Use --algo.prox_mode recompute, snapshot, ewma, "
+            "loglinear or bypass, or drop --algo.routing_replay."
         )
 
 

@@ -80,6 +80,7 @@ def check(args: types.SimpleNamespace) -> List[str]:
     _check_steps(args)
     _check_sampling(args)
     tokenizer = _check_models(args, notices)
+    _check_routing_replay(args)
     _check_max_len(args)
     data = _check_prompt_datasets(args, tokenizer, notices)
     reward = _check_reward_file(args, tokenizer, data.first, notices)
@@ -377,6 +378,31 @@ _MAX_LEN_KEYS = (
     "seq_len",
 )
 _ROPE_NOT_SCALING = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def _check_routing_replay(args: types.SimpleNamespace) -> None:
+    """--algo.routing_replay: the actor's model must be a supported sparse-MoE family (models/routing_replay.py),
+    read from its config.json (a hub model not cached here is checked when the actor loads it)."""
+    if not _get(args, "algo.routing_replay", False):
+        return
+    folder = _model_folder(args.actor.model_name_or_path)
+    if folder is None:
+        return
+    from transformers import AutoConfig
+
+    from openrlhf_ess.models import routing_replay
+
+    try:
+        model_config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as e:  # unknown model_type etc.: the model check reported what it could
+        raise ConfigError(
+            f"--algo.routing_replay: cannot read the model config of {args.actor.model_name_or_path} "
+            f"({_first_line(e)}); routing replay needs a supported MoE model."
+        ) from None
+    try:
+        routing_replay.require_supported(model_config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _model_folder(path: str) -> Optional[str]:

@@ -101,11 +101,13 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     flags += ["--algo.tis_cap", "2", "--algo.max_version_lag", "3"]
     flags += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.off_policy_k2_enable"]
     flags += ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"]
+    flags += ["--vllm.fp32_lm_head"]  # vLLM's fp32 head in the bf16 engine, checked in its worker at start-up
     args = tiny_args(tiny_world, run_dir, steps_prompts=24)
     args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
     wandb = ["--logger.wandb.key", "offline-" + "0" * 32]
     rc, log = run_cli(args + flags + wandb + ["--ref.num_gpus_per_node", "1"], run_dir)
     scalars = _check_run(run_dir, rc, log, steps=3)
+    assert "--vllm.fp32_lm_head: LM head dtypes per worker [['torch.float32']]" in log, log[-6000:]
     _check_metric_channels(run_dir, log, scalars)
     # the plots command on this real run's logs: every figure has data
     from openrlhf_ess.tools.plots import make_plots

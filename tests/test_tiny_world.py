@@ -42,9 +42,7 @@ def test_target_reward_by_hand():
     from openrlhf_ess.tiny import reward_target
 
     # f* = 0.5: "12ab" is half digits -> 1; "1234" all digits and "abcd" none -> 0; "1abc" (0.25) -> 0.5
-    out = reward_target.reward_func(
-        ["x =12ab</s>", "x =1234", "x =abcd", "x =1abc"], ["x ="] * 4, [None] * 4
-    )
+    out = reward_target.reward_func(["x =12ab</s>", "x =1234", "x =abcd", "x =1abc"], ["x ="] * 4, [None] * 4)
     assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 0.5]
     assert out["extra_logs"]["digit_fraction"].tolist() == [0.5, 1.0, 0.0, 0.25]
     # another target: f* = 0.8 normalises by 0.8, so f = 0 scores 0 and f = 1 scores 0.75

@@ -643,7 +643,7 @@ def train(args) -> None:
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
     classes = {"PolicyModelActor": PolicyModelActor, "create_vllm_engines": create_vllm_engines(args)}
-    if config.sampling_mask_on(args):  # π_ref over the kept support too
+    if config.sampling_mask_on(args) or config.routing_replay_on(args):  # π_ref over the kept support / replayed
         from openrlhf_ess.trainer.ray.ref_actor import ReferenceModelActor
 
         classes["ReferenceModelActor"] = ReferenceModelActor

@@ -14,8 +14,9 @@ import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as _UpstreamRemoteExperienceMaker
 from openrlhf.utils.utils import zero_pad_sequences
 
-from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES, sampling_mask_on
+from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES, routing_replay_on, sampling_mask_on
 from openrlhf_ess.models import corrections
+from openrlhf_ess.trainer import routing_replay
 from openrlhf_ess.trainer.ppo_utils.samples_generator import kept_or_untruncated, versions_or_untagged
 from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
@@ -39,7 +40,8 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         """Extends upstream's split: carry the per-token versions (and kept counts) into each micro-batch.
 
         Upstream records each sample's position in ``index`` and right-pads step fields, so the
-        versions are padded the same way (with NO_VERSION; kept counts with NOT_TRUNCATED).
+        versions are padded the same way (with NO_VERSION; kept counts with NOT_TRUNCATED). Routes
+        (--algo.routing_replay) follow ``sequences``: right-padded to its width with the "no route" sentinel.
         """
         samples_list = super().split_rollout_samples(rollout_samples)
         mask = sampling_mask_on(self.args)
@@ -51,6 +53,9 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                 rows = [kept_or_untruncated(rollout_samples[i])[0] for i in batch.index]
                 kept = zero_pad_sequences(rows, side="right", value=NOT_TRUNCATED, stack=True)
                 batch.rollout_kept_counts = kept[:, :width]
+            if routing_replay_on(self.args):
+                rows = [rollout_samples[i].rollout_routes[0] for i in batch.index]
+                batch.rollout_routes = routing_replay.pad_routes(rows, batch.sequences.shape[1])
         return samples_list
 
     def _dispatch_forward(self, group, sync_condition, **kwargs):
@@ -70,6 +75,9 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         if sampling_mask_on(self.args) and group in (self.actor_model_group, self.initial_model_group):
             # π_prox and π_ref over the support each token was sampled from (trainer/sampling_mask.py)
             kwargs["rollout_kept_counts"] = [s.rollout_kept_counts for s in self._samples_in_flight]
+        if routing_replay_on(self.args) and group in (self.actor_model_group, self.initial_model_group):
+            # π_prox and π_ref forwards replay the engine's experts (trainer/routing_replay.py)
+            kwargs["rollout_routes"] = [s.rollout_routes for s in self._samples_in_flight]
         return super()._dispatch_forward(group, sync_condition, **kwargs)
 
     def _duplicate_factor(self) -> int:

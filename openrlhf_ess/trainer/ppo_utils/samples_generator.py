@@ -11,7 +11,7 @@ import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator as _UpstreamSamplesGenerator
 
 from openrlhf_ess import config
-from openrlhf_ess.trainer import resume
+from openrlhf_ess.trainer import resume, routing_replay
 from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
 
@@ -76,6 +76,9 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         - ``experience.rollout_kept_counts`` (1, A), --algo.sampling_mask keep: the engine's kept-support size
           per action token (NOT_TRUNCATED elsewhere), same alignment; a plain attribute carried to the actors'
           replay buffer (``trainer/sampling_mask.py``).
+        - ``experience.rollout_routes`` [1, S, L, k], --algo.routing_replay: the engine's expert ids per token and
+          layer, aligned with ``sequences`` (row i: token i; the last token: the sentinel), uint8 or int16; a plain
+          attribute carried to the actors (``trainer/routing_replay.py``).
         - With --reward.failure_policy, a sample whose reward is None (the reward function raised) or not
           finite either stops the run or is masked out with reward 0, counted in ``info["reward_failed"]``.
         - A sample whose μ is NaN or ±inf on a sampled token is masked out (action_mask = 0, μ set to 0
@@ -111,6 +114,16 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
                     "generate through the llm_engine it is given; otherwise this is a bug, please report it."
                 )
             experience.rollout_kept_counts = torch.tensor(kept[1:truncate_length], dtype=torch.long).unsqueeze(0)
+        if config.routing_replay_on(self.args):
+            routes = response.get("rollout_routes")
+            if routes is None:
+                raise RuntimeError(
+                    "--algo.routing_replay: a response came back without the engine's routes (routed_experts), so "
+                    "the trainer cannot replay its experts; the engine's start-up self-check proves it returns them, "
+                    "so this is a bug, please report it."
+                )
+            n_tokens = len(response["observation_tokens"])
+            experience.rollout_routes = routing_replay.observation_routes(routes, n_tokens, truncate_length)
         mu = experience.rollout_log_probs
         if mu is not None:
             bad = ~torch.isfinite(mu) & experience.action_mask.bool()

@@ -9,6 +9,7 @@ found from its flag in one hop:
 - k2 KL loss (``--algo.kl.off_policy_k2_enable``): ``trainer/kl_k2.py``
 - sequence-level TIS (``--algo.tis_level seq``): ``models/loss.py``
 - truncated-support log-probs (``--algo.sampling_mask keep``): ``trainer/sampling_mask.py``
+- MoE routing replay (``--algo.routing_replay``): ``trainer/routing_replay.py``
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from openrlhf.trainer.ray import ppo_actor as _upstream  # noqa: E402
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
-from openrlhf_ess.trainer import ess_lr, kl_k2, sampling_mask, saving  # noqa: E402
+from openrlhf_ess.trainer import ess_lr, kl_k2, routing_replay, sampling_mask, saving  # noqa: E402
 from openrlhf_ess.trainer.prox_sources import ProxSources  # noqa: E402
 from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
 
 
 class ActorPPOTrainer(_upstream.ActorPPOTrainer):
+    routing_replay = False  # --algo.routing_replay, set by __init__ (a trainer built without it: off)
+
     def __init__(self, *args, **kwargs):
         """Extends upstream's init with what our flags need: the weight-version counter, the sequence-level
         TIS loss, the π_prox sources, the weight sync and its check, and the ESS LR hook."""
@@ -46,6 +49,9 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             sampling_mask.install(self.actor)
             sampling_mask.adopt_replay_buffer(self.replay_buffer)
             self.stop_ids = sampling_mask.stop_token_ids(self.args.actor.model_name_or_path)
+        self.routing_replay = config.routing_replay_on(self.args)
+        if self.routing_replay:
+            routing_replay.adopt_replay_buffer(self.replay_buffer)
         self.lr_scale_hook = None
         if algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
@@ -61,6 +67,16 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     )
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+        """Overrides upstream's only with --algo.routing_replay (the whole step, forward and backward, replays the
+        engine's experts; metrics routing/replayed_frac, routing/disagree_frac), then as below."""
+        if not self.routing_replay:
+            return self._masked_training_step(experience, kl_ctl, step, loss_batch_info)
+        with routing_replay.replayed_step(self.actor, experience) as stats:
+            status = self._masked_training_step(experience, kl_ctl, step, loss_batch_info)
+        routing_replay.add_metrics(status, stats[0])
+        return status
+
+    def _masked_training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         """Overrides upstream's only with --algo.kl.off_policy_k2_enable (the KL term's gradient becomes the
         k2 surrogate's, see kl_k2.py), PPO-EWMA (the average is updated after each optimizer step) or
         --algo.sampling_mask keep (π_θ over each token's kept support; metric sampling_mask/log_kept_mass)."""
@@ -240,10 +256,17 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
         mm_train_inputs_list=None,
         rollout_versions=None,
         rollout_kept_counts=None,
+        rollout_routes=None,
     ):
         """Extends upstream's: with ``rollout_versions`` (snapshot/ewma modes) return π_prox per token; with
-        ``rollout_kept_counts`` (--algo.sampling_mask keep) every forward scores over the kept support."""
-        with sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.trainer.stop_ids):
+        ``rollout_kept_counts`` (--algo.sampling_mask keep) every forward scores over the kept support; with
+        ``rollout_routes`` (--algo.routing_replay) every forward replays the engine's experts."""
+        if rollout_routes is None and self.trainer.routing_replay:
+            raise routing_replay.missing_routes_error("an old-log-prob forward")
+        with (
+            routing_replay.applied(self.actor, rollout_routes),
+            sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.trainer.stop_ids),
+        ):
             current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
             if rollout_versions is None:
                 return current

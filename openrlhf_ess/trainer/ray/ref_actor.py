@@ -1,6 +1,7 @@
 """Reference model actor: upstream's ``ReferenceModelActor`` scoring over the kept support (--algo.sampling_mask).
 
-Mirrors ``openrlhf/trainer/ray/launcher.py``. Used only with ``--algo.sampling_mask keep``: then log π_ref,
+Mirrors ``openrlhf/trainer/ray/launcher.py``. Used with ``--algo.sampling_mask keep`` and ``--algo.routing_replay``
+(π_ref's MoE layers replay the engine's experts, ``trainer/routing_replay.py``). With the mask, log π_ref,
 which enters the KL term (in the reward or the loss), is renormalised over the support each token was sampled
 from, like π_θ and π_prox (``trainer/sampling_mask.py``), so the KL compares two distributions on the same
 support instead of charging the truncation (log Z_t) as divergence.
@@ -15,7 +16,7 @@ cpu_compat.apply()
 import ray  # noqa: E402
 
 from openrlhf_ess import upstream  # noqa: E402
-from openrlhf_ess.trainer import sampling_mask  # noqa: E402
+from openrlhf_ess.trainer import routing_replay, sampling_mask  # noqa: E402
 
 
 class ReferenceModelActorImpl(upstream.reference_actor_class()):
@@ -34,9 +35,14 @@ class ReferenceModelActorImpl(upstream.reference_actor_class()):
         packed_seq_lens=None,
         mm_train_inputs_list=None,
         rollout_kept_counts=None,
+        rollout_routes=None,
     ):
-        """Extends upstream's: with ``rollout_kept_counts``, log π_ref over each token's kept support."""
-        with sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.stop_ids):
+        """Extends upstream's: with ``rollout_kept_counts``, log π_ref over each token's kept support; with
+        ``rollout_routes`` (--algo.routing_replay), π_ref's MoE layers use the engine's experts."""
+        with (
+            routing_replay.applied(self.model, rollout_routes),
+            sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.stop_ids),
+        ):
             return super().forward(
                 sequences, action_mask, attention_mask, return_output, packed_seq_lens, mm_train_inputs_list
             )

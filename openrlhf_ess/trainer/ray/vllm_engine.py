@@ -31,7 +31,8 @@ NO_VERSION = -1  # version tag of tokens the engine did not sample (prompt, envi
 logger = logging.getLogger(__name__)
 
 # Per engine.generate() call made by one executor.execute() call: (versions, kept counts) of its tokens.
-_GENERATE_CALLS: contextvars.ContextVar[Optional[List[Tuple[List[int], List[int]]]]] = contextvars.ContextVar(
+# per generate() call: (token versions, kept counts, routed_experts or None)
+_GENERATE_CALLS: contextvars.ContextVar[Optional[List[Tuple[List[int], List[int], Any]]]] = contextvars.ContextVar(
     "openrlhf_ess_generate_calls", default=None
 )
 
@@ -39,7 +40,7 @@ _GENERATE_CALLS: contextvars.ContextVar[Optional[List[Tuple[List[int], List[int]
 class _Progress:
     """Output tokens streamed so far for one request, and the weight version of each stretch of them."""
 
-    __slots__ = ("streamed", "starts", "versions", "prompt", "tokens", "logprobs", "min_tokens")
+    __slots__ = ("streamed", "starts", "versions", "prompt", "tokens", "logprobs", "min_tokens", "routes")
 
     def __init__(self, version: int, min_tokens: int = 0):
         self.streamed = 0
@@ -47,6 +48,7 @@ class _Progress:
         self.prompt, self.tokens = (), ()  # prompt token ids, output token ids so far (outgoing scoring)
         self.logprobs = None  # vLLM's per-token log-prob dicts so far (kept counts, --algo.sampling_mask)
         self.min_tokens = min_tokens
+        self.routes = None  # --algo.routing_replay: the final output's routed_experts [P + G - 1, L, k]
 
     def switch(self, version: int) -> None:
         # Generation is paused during a weight sync, so every token streamed so far was sampled by
@@ -116,6 +118,21 @@ def check_kept_count_contract(ranks: Sequence[int], top_k: int, patched_calls: S
         )
 
 
+def check_lm_head_contract(per_worker: Sequence[Sequence[str]]) -> None:
+    """Raise :class:`EngineContractError` unless every engine worker's LM head (each of its model's vLLM
+    ``LogitsProcessor`` modules) computes in fp32 (--vllm.fp32_lm_head). vLLM falls back to the model dtype,
+    with only a warning, on a platform without fp32 support, and a vLLM without ``head_dtype`` ignores the
+    override: either would leave a bf16 head while the run believes it has an fp32 one."""
+    bad = [heads for heads in per_worker if not heads or any(h != "torch.float32" for h in heads)]
+    if not per_worker or bad:
+        raise EngineContractError(
+            "start-up self-check failed (engine contract, --vllm.fp32_lm_head): the engine's LM head dtypes per "
+            f"worker are {[list(h) for h in per_worker]}, not torch.float32 (an empty list: no vLLM "
+            "LogitsProcessor found in the model). This vLLM or platform ignored hf_overrides head_dtype=float32. "
+            "Fix: use the pinned vLLM (0.29 on GPU, which honours it), or drop --vllm.fp32_lm_head."
+        )
+
+
 def align_to_observation(
     n_tokens: int,
     action_ranges: Sequence[Tuple[int, int]],
@@ -157,14 +174,14 @@ class _VersionTaggingExecutor:
     """Wraps an agent executor: collects the versions (and, with --algo.sampling_mask, the kept counts) of its
     generate() calls into the response."""
 
-    def __init__(self, inner, kept_counts: bool = False):
-        self._inner, self._kept_counts = inner, kept_counts
+    def __init__(self, inner, kept_counts: bool = False, routes: bool = False):
+        self._inner, self._kept_counts, self._routes = inner, kept_counts, routes
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
     async def execute(self, *args, **kwargs):
-        calls: List[Tuple[List[int], List[int]]] = []
+        calls: List[Tuple[List[int], List[int], Any]] = []
         token = _GENERATE_CALLS.set(calls)
         try:
             response = await self._inner.execute(*args, **kwargs)
@@ -176,6 +193,10 @@ class _VersionTaggingExecutor:
             response["rollout_kept_counts"] = align_to_observation(
                 n, ranges, [c[1] for c in calls], NOT_TRUNCATED, "kept counts"
             )
+        if self._routes:
+            # --algo.routing_replay: the single-turn executor makes one call whose request is the whole
+            # observation (the agent path is rejected in config.py); None is refused by the samples generator
+            response["rollout_routes"] = calls[0][2] if len(calls) == 1 else None
         return response
 
 
@@ -189,6 +210,8 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         report_kept_counts=False,
         reward_timeout_s: Optional[float] = None,
         reward_failure_policy: str = "off",
+        fp32_lm_head: bool = False,
+        report_routes: bool = False,
         **kwargs,
     ):
         """Extends upstream's init.
@@ -203,11 +226,21 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         tracking, so it implies ``track_versions``.
         ``reward_timeout_s`` (a reward .py file): each reward_func call is bounded by it and guarded against
         BaseException (``openrlhf_ess/utils/agent.py``); a failed call follows ``reward_failure_policy``.
+        ``fp32_lm_head`` (--vllm.fp32_lm_head): vLLM's own fp32 LM head (``hf_overrides={"head_dtype":
+        "float32"}``, vllm/config/model.py::head_dtype in 0.29 and 0.31), checked in every worker after start-up.
+        ``report_routes`` (--algo.routing_replay): vLLM's ``enable_return_routed_experts`` (>= 0.29); each
+        response gets ``response["rollout_routes"]``, the final output's ``routed_experts`` [P + G - 1, L, k],
+        proved at start-up by one short request (``_check_routes_contract``).
         """
+        if fp32_lm_head:
+            kwargs["hf_overrides"] = {**(kwargs.get("hf_overrides") or {}), "head_dtype": "float32"}
+        if report_routes:  # --algo.routing_replay: vLLM >= 0.29 returns routed_experts on a request's final output
+            kwargs["enable_return_routed_experts"] = True
+        self.report_routes = report_routes
         self.force_logprobs = force_logprobs
         self.report_outgoing = report_outgoing
         self.report_kept_counts = report_kept_counts
-        track_versions = track_versions or report_kept_counts
+        track_versions = track_versions or report_kept_counts or report_routes
         self.weight_version = 0
         self._inflight: Dict[str, _Progress] = {}
         self._finished: List[_Progress] = []  # requests finished since the last outgoing_streams()
@@ -231,8 +264,16 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             installed = await self.llm.collective_rpc("install_kept_count_rank")
             logger.info("sampling mask: kept-count rank patch installed in %d worker(s)", sum(map(bool, installed)))
             await self._check_kept_count_contract()
+        if fp32_lm_head:
+            heads = await self.llm.collective_rpc("lm_head_dtypes")
+            check_lm_head_contract(heads)
+            print(f"start-up self-check passed: --vllm.fp32_lm_head: LM head dtypes per worker {heads}", flush=True)
+        if report_routes:
+            await self._check_routes_contract()
         if track_versions:
-            self.executor = _VersionTaggingExecutor(self.executor, kept_counts=report_kept_counts)
+            self.executor = _VersionTaggingExecutor(
+                self.executor, kept_counts=report_kept_counts, routes=report_routes
+            )
             self.llm.generate = self._tracking_stream(self.llm.generate)
 
     def _tracking_stream(self, generate):
@@ -259,6 +300,12 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
                     if keep_tokens:
                         progress.prompt, progress.tokens = output.prompt_token_ids, output.outputs[0].token_ids
                         progress.logprobs = output.outputs[0].logprobs
+                    if self.report_routes:
+                        # Only a request's final output carries routed_experts (vLLM 0.29 concatenates the
+                        # per-step rows when it finishes). A partial rollout's request persists across weight
+                        # syncs, so its final output covers every token, each routed by the weights that
+                        # forwarded it: like its mu, a partial rollout's routes come from several versions.
+                        progress.routes = getattr(output.outputs[0], "routed_experts", None)
                     yield output
             finally:
                 self._inflight.pop(request_id, None)
@@ -268,7 +315,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             if calls is not None:
                 n = progress.streamed
                 kept = progress.kept_counts(n) if self.report_kept_counts else []
-                calls.append((progress.token_versions(n), kept))
+                calls.append((progress.token_versions(n), kept, progress.routes))
 
         return tracked
 
@@ -293,6 +340,36 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         ranks = [step[token].rank for step, token in zip(final.outputs[0].logprobs, final.outputs[0].token_ids)]
         calls = await self.llm.collective_rpc("kept_count_rank_calls")
         check_kept_count_contract(ranks, CONTRACT_TOP_K, calls)
+
+    async def _check_routes_contract(self) -> None:
+        """Start-up self-check of --algo.routing_replay, on the user's engine: one 4-token request after a 3-token
+        prompt must return ``routed_experts`` [3 + 4 - 1, num_hidden_layers, num_experts_per_tok]
+        (``routing_replay.check_routes_contract``). An engine that ignores enable_return_routed_experts, or
+        returns another layout, would otherwise have the trainer replay nothing or the wrong rows."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.utils import random_uuid
+
+        from openrlhf_ess.trainer.routing_replay import check_routes_contract
+
+        prompt, max_tokens = [1, 2, 3], 4
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+        final = None
+        async for output in self._untracked_generate(
+            TokensPrompt(prompt_token_ids=prompt), params, request_id=random_uuid()
+        ):
+            final = output
+        routes = getattr(final.outputs[0], "routed_experts", None)
+        model_config = self.llm.model_config
+        hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+        rows = len(prompt) + len(final.outputs[0].token_ids) - 1
+        check_routes_contract(
+            None if routes is None else routes.shape, hf.num_hidden_layers, hf.num_experts_per_tok, rows
+        )
+        print(
+            f"start-up self-check passed: --algo.routing_replay: routed_experts {list(routes.shape)} {routes.dtype}",
+            flush=True,
+        )
 
     async def contract_sample(self, token_ids: List[int], temperature, top_p, top_k, max_tokens) -> Dict[str, Any]:
         """The start-up self-check's generation (``weight_sync.py::startup_canary``): ``max_tokens`` tokens after
@@ -460,6 +537,10 @@ def engine_kwargs(args) -> Dict[str, Any]:
         extra.update(reward_timeout_s=args.reward.timeout_s, reward_failure_policy=args.reward.failure_policy)
     if args.vllm.dtype != "bfloat16":
         extra["dtype"] = args.vllm.dtype
+    if args.vllm.fp32_lm_head:
+        extra["fp32_lm_head"] = True
+    if config.routing_replay_on(args):  # the engine returns each request's expert ids (routed_experts)
+        extra["report_routes"] = True
     if not config.on_cuda(args):
         # vLLM's CPU backend sizes its KV cache from this instead of gpu_memory_utilization.
         extra["kv_cache_memory_bytes"] = int(args.vllm.cpu_kv_cache_gb * (1 << 30))

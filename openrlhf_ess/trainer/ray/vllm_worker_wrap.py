@@ -10,6 +10,7 @@ pass, which re-runs the post-load processing (repacking) correctly on every back
 
 import os
 import threading
+from typing import List
 
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap as _UpstreamWorkerWrap
@@ -83,6 +84,18 @@ class WorkerWrap(_UpstreamWorkerWrap):
     def kept_count_rank_calls(self) -> int:
         """How many times the patched ``Sampler.forward`` ran in this worker (the engine's start-up check)."""
         return getattr(_KEPT_RANK, "calls", 0)
+
+    def lm_head_dtypes(self) -> List[str]:
+        """The compute dtype of every vLLM ``LogitsProcessor`` in this worker's model (``head_dtype``, what
+        --vllm.fp32_lm_head sets; the model dtype when vLLM keeps none), for the engine's start-up check."""
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+        model = self.model_runner.model
+        return [
+            str(m.head_dtype if getattr(m, "head_dtype", None) is not None else self.model_runner.model_config.dtype)
+            for m in model.modules()
+            if isinstance(m, LogitsProcessor)
+        ]
 
     def load_weights_from_safetensors(self, blob: bytes) -> int:
         """Load every tensor in ``blob`` (safetensors bytes, HF names) into the model; return the count."""
