@@ -9,11 +9,12 @@ Qwen2, digit reward):
    8 prompts × 4 samples, the CLI's batch shape) trained in-process on the HF model in fp32 with the
    package's ``PolicyLoss``. In-process, because it is the only route that keeps every version's exact
    weights and the PPO-EWMA average in memory at no cost; the CLI's run would need a checkpoint per step.
-2. **Sampler**: HF ``generate`` in fp32 (temperature 1, no top-k/top-p), μ = the sampler's own log-probs
-   (its output logits). The real vLLM engine is not used: in fp32 it agrees with HF to < 1e-4 per token
-   (``tests/test_vllm_hf_logprobs.py``), so μ would change by less than that, and a fresh engine per
-   version costs more than this benchmark's budget on 2 cores. Engine mismatch is thus ~0 here: what is
-   measured is staleness alone.
+2. **Sampler**: by default HF ``generate`` in fp32 (temperature 1, no top-k/top-p), μ = the sampler's own
+   log-probs (its output logits): engine mismatch ~0, staleness alone. ``--sampler vllm-bf16`` / ``vllm-fp32``
+   samples the stale batches with the real vLLM CPU engine instead (one in-process engine, its weights set to
+   θ_{N−L} through the package's sync path at each lag; μ = the engine's log-probs), so a bf16 engine's kernel
+   mismatch enters μ (issue 22 §2, docs/staleness_target.md). ``--task target`` uses the interior-optimum
+   reward (tiny/reward_target.py) instead of the digit fraction.
 3. At θ = θ_N, for each lag L: K stale batches of B sequences from θ_{N−L}; each correction's loss on a
    batch is differentiated at θ_N, giving its update direction g. The reference g* is the same
    policy-gradient loss at ratio 1 on a large fresh batch from θ_N (advantage = reward − group mean, no

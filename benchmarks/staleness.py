@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -58,6 +59,9 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     # The beta sweep of issue 15 §3 (β = 0.9 is "TIS + EWMA" above)
     "TIS + EWMA β=0.3": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.3"],
     "TIS + EWMA β=0.6": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.6"],
+    # No correction, but through our controllers, which tag every token's version (the lag is logged; a bound
+    # no token reaches masks nothing): separates a correction's effect from the controllers' queueing
+    "none, lag logged": ["--algo.max_version_lag", "1000"],
     # The other π_prox modes (issue 22 §1: every correction where uncorrected async overshoots)
     "TIS + interrupt": TIS + ["--algo.prox_mode", "interrupt"],
     "TIS + dedicated": TIS + ["--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "0.2"],
@@ -294,6 +298,16 @@ def _band(runs, tag):
     )
 
 
+def _level_axes(plt, n: int, height: float):
+    """One panel per staleness level, at most 3 per row (shared y); returns (figure, flat list of n axes)."""
+    cols, rows = min(3, n), -(-n // 3)
+    fig, grid = plt.subplots(rows, cols, figsize=(5.2 * cols, height * rows), sharey=True, squeeze=False)
+    flat = [ax for row in grid for ax in row]
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
 def plot(results: dict, out: str, levels: List[str]) -> List[str]:
     import matplotlib
 
@@ -301,8 +315,8 @@ def plot(results: dict, out: str, levels: List[str]) -> List[str]:
     import matplotlib.pyplot as plt
 
     paths = []
-    fig, axes = plt.subplots(1, len(levels), figsize=(5.2 * len(levels), 4.2), sharey=True, squeeze=False)
-    for ax, level in zip(axes[0], levels):
+    fig, axes = _level_axes(plt, len(levels), 4.2)
+    for ax, level in zip(axes, levels):
         for key, runs in results.items():
             if not key.startswith(level + " | "):
                 continue
@@ -313,15 +327,16 @@ def plot(results: dict, out: str, levels: List[str]) -> List[str]:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("reward (mean over seeds, min–max band)")
+    for ax in axes[::3]:
+        ax.set_ylabel("reward (mean over seeds, min–max band)")
     fig.tight_layout()
     paths.append(os.path.join(out, "reward.png"))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
 
     if any(run.get(WALL) for runs in results.values() for run in runs):
-        fig, axes = plt.subplots(1, len(levels), figsize=(5.2 * len(levels), 4.2), sharey=True, squeeze=False)
-        for ax, level in zip(axes[0], levels):
+        fig, axes = _level_axes(plt, len(levels), 4.2)
+        for ax, level in zip(axes, levels):
             for key, runs in results.items():
                 if not key.startswith(level + " | ") or not all(run.get(WALL) for run in runs):
                     continue
@@ -336,7 +351,8 @@ def plot(results: dict, out: str, levels: List[str]) -> List[str]:
             ax.set_xlabel("seconds since launch (start-up included)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-        axes[0][0].set_ylabel("reward (mean over seeds, min–max band)")
+        for ax in axes[::3]:
+            ax.set_ylabel("reward (mean over seeds, min–max band)")
         fig.tight_layout()
         paths.append(os.path.join(out, "reward_wall.png"))
         fig.savefig(paths[-1], dpi=110)
@@ -348,14 +364,22 @@ def plot(results: dict, out: str, levels: List[str]) -> List[str]:
         for key, runs in ess.items():
             for ax, tag in zip(axes[0], ("train/rho_ess", "train/lr_scale")):
                 steps, mean, lo, hi = _band(runs, tag)
-                (line,) = ax.plot(steps, mean, label=key.split(" | ")[0])
+                (line,) = ax.plot(steps, mean, label=key.replace(" | ", ": "))
                 ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
-        for ax, title in zip(axes[0], ("ρ = ESS / B", "LR scale")):
+        titles = ("ρ = ESS / B (1: every sample counts equally)", "ESS-LR scale = clamp(√ρ, floor, 1)")
+        for ax, title in zip(axes[0], titles):
             ax.ticklabel_format(axis="y", useOffset=False)
             ax.set_title(title)
-            ax.set_xlabel("step")
+            ax.set_xlabel("training step")
+            ax.set_ylabel("ratio (mean over seeds, min–max band)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
+        fig.supxlabel(
+            "The ESS-LR runs: ρ of the per-sample weights π_prox/μ and the LR multiplier it gives. Near 1: the "
+            "samples weigh alike (nothing to scale); low: a few samples dominate and the step is shortened.",
+            fontsize=9,
+            color="dimgrey",
+        )
         fig.tight_layout()
         paths.append(os.path.join(out, "ess_lr.png"))
         fig.savefig(paths[-1], dpi=110)
@@ -371,8 +395,8 @@ def plot_target(results: dict, out: str, levels: List[str], target: float) -> st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(levels), figsize=(5.2 * len(levels), 4.4), sharey=True, squeeze=False)
-    for ax, level in zip(axes[0], levels):
+    fig, axes = _level_axes(plt, len(levels), 4.4)
+    for ax, level in zip(axes, levels):
         for key, runs in results.items():
             if key.startswith(level + " | "):
                 steps, mean, lo, hi = _band(runs, "train/digit_fraction")
@@ -383,7 +407,8 @@ def plot_target(results: dict, out: str, levels: List[str], target: float) -> st
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("digit fraction f of the trained batch")
+    for ax in axes[::3]:
+        ax.set_ylabel("digit fraction f of the trained batch")
     fig.suptitle(
         "Interior-optimum task: the digit fraction over training (mean over seeds, min–max band). "
         "Good: reaches the dashed line and stays on it; above it = overshoot.",
@@ -523,8 +548,9 @@ def main() -> None:
             try:
                 curves = run_once(a, world, config_flags(level, name), run_dir, seed=42 + seed)
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # one retry, then the run is reported missing
-                print(f"[staleness] {key} seed {seed} failed ({e}); retrying once", flush=True)
-                shutil.rmtree(run_dir, ignore_errors=True)
+                print(f"[staleness] {key} seed {seed} failed ({e}); kept as {run_dir}.failed; retrying", flush=True)
+                shutil.rmtree(run_dir + ".failed", ignore_errors=True)
+                os.rename(run_dir, run_dir + ".failed")  # its log says why
                 os.makedirs(run_dir)
                 try:
                     curves = run_once(a, world, config_flags(level, name), run_dir, seed=42 + seed)
@@ -542,7 +568,7 @@ def main() -> None:
             )
             with open(os.path.join(a.out, "results.json"), "w") as f:
                 json.dump(results, f)
-    command = "python -m benchmarks.staleness " + " ".join(sys.argv[1:])
+    command = "python -m benchmarks.staleness " + shlex.join(sys.argv[1:])
     for path in render(results, a.out, command.strip(), list(a.staleness), a.task):
         print(f"[staleness] wrote {path}")
     print(f"[staleness] wrote {a.out}/results.md, results.json ({(time.time() - t_start) / 60:.1f} min)")

@@ -2,7 +2,11 @@
 # The tiny CPU demo: builds the offline tiny world, then trains it with openrlhf-ess through upstream's
 # real Ray + DeepSpeed + vLLM (CPU) pipeline. 2 cores, no GPU, no network.
 #   bash examples/scripts/train_ppo_tiny_cpu.sh [extra flags...]
-# Extra flags are passed through, e.g. --train.async_enable --train.partial_rollout_enable.
+# What our users run: asynchronous training (generation runs up to 2 batches ahead of training) with partial
+# rollouts (a response can span weight syncs), and the corrections docs/staleness.md recommends at that depth:
+# TIS (--algo.tis_cap 2); ESS-LR is on as the staleness monitor (rho = ESS/B logged every step; it lowers the LR
+# only when a few samples dominate). Extra flags are passed through, e.g. --train.async_queue_size 8
+# --algo.prox_mode snapshot --algo.prox_snapshots 10 for a deep queue (docs/staleness_target.md).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$(pwd)
@@ -41,6 +45,11 @@ args=(
    --ds.param_dtype bf16
    --ds.attn_implementation sdpa
    --train.seed 42
+   --train.async_enable
+   --train.partial_rollout_enable
+   --train.async_queue_size 2
+   --algo.tis_cap 2
+   --algo.ess_lr_enable
    --ckpt.output_dir "$RUN_DIR/ckpt"
    --ckpt.path "$RUN_DIR/ckpt/checkpoints"
    --logger.tensorboard_dir "$RUN_DIR/tensorboard"
