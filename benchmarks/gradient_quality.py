@@ -404,19 +404,10 @@ class EngineSampler:
     engine carries its kernel mismatch into μ, as in training."""
 
     def __init__(self, model_dir: str, dtype: str):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from vllm import LLM
+        from openrlhf_ess.tiny.engine import tiny_engine
 
-        self.llm = LLM(
-            model=model_dir,
-            dtype=dtype,
-            seed=0,
-            max_model_len=128,
-            kv_cache_memory_bytes=64 << 20,
-            logprobs_mode="processed_logprobs",
-            max_logprobs=1,
-            enforce_eager=True,
-            worker_extension_cls="openrlhf_ess.trainer.ray.vllm_worker_wrap.WorkerWrap",
+        self.llm = tiny_engine(
+            model_dir, dtype, worker_extension_cls="openrlhf_ess.trainer.ray.vllm_worker_wrap.WorkerWrap"
         )
 
     def load(self, state: Dict[str, torch.Tensor]) -> None:

@@ -42,23 +42,14 @@ PROMPTS = ["ab12 =", "hello =", "x =", "q9z =", "mn34 =", "kk =", "7b7 =", "zz0 
 def engine_sample(model: str, out: str, fp32_head: bool, max_tokens: int, repeats: int) -> None:
     """In this process: a bf16 vLLM CPU engine samples every prompt (4 samples each, temperature 1); write the
     tokens, their log-probs μ, the head dtype the engine reports and the timed generate calls."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from openrlhf_ess.tiny.engine import tiny_engine
+
     kwargs = {"hf_overrides": {"head_dtype": "float32"}} if fp32_head else {}
-    llm = LLM(
-        model=model,
-        dtype="bfloat16",
-        seed=0,
-        max_model_len=128,
-        kv_cache_memory_bytes=64 << 20,
-        logprobs_mode="processed_logprobs",
-        max_logprobs=1,
-        enforce_eager=True,
-        **kwargs,
-    )
+    llm = tiny_engine(model, "bfloat16", **kwargs)
 
     def heads(m):
         from vllm.model_executor.layers.logits_processor import LogitsProcessor

@@ -195,6 +195,24 @@ def _span(values: List[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(statistics.mean(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
 
 
+def _lag_cell(level: str, runs: List[dict]) -> str:
+    """Mean version lag over the seeds; runs through upstream's controllers tag no versions."""
+    lags = [statistics.mean(v for _, v in r["train/version_lag/mean"]) for r in runs if r["train/version_lag/mean"]]
+    return f"{statistics.mean(lags):.2f}" if lags else ("0" if level == "sync" else "not logged")
+
+
+def _wall_cell(runs: List[dict]) -> str:
+    walls = [r["wall/total_s"] for r in runs if "wall/total_s" in r]
+    return f"{statistics.mean(walls):.0f}" if walls else "–"
+
+
+def _reach_cell(reach: List[float], n_runs: int) -> str:
+    """Steps to a goal, mean [min, max] over the runs that reached it; the others counted after the slash."""
+    if not reach:
+        return "never"
+    return _span(reach, "{:.1f}") + (f" / {n_runs - len(reach)} never" if len(reach) < n_runs else "")
+
+
 def write_target_table(results: dict, path: str, command: str, window: int, target: float) -> None:
     """results.md for the interior-optimum task: reward, the distance to f*, overshoot, oscillation, ρ and the
     LR scale per configuration (mean [min, max] over seeds)."""
@@ -220,23 +238,15 @@ def write_target_table(results: dict, path: str, command: str, window: int, targ
         stats = [distance_stats([v for _, v in r["train/digit_fraction"]], target, window) for r in runs]
         finals = [final_reward(r["train/reward"], window) for r in runs]
         aucs = [statistics.mean(v for _, v in r["train/reward"]) for r in runs]
-        lags = [
-            statistics.mean(v for _, v in r["train/version_lag/mean"]) for r in runs if r["train/version_lag/mean"]
-        ]
-        lag = f"{statistics.mean(lags):.2f}" if lags else ("0" if level == "sync" else "not logged")
         rho = [min(v for _, v in r["train/rho_ess"]) for r in runs if r.get("train/rho_ess")]
         scale = [min(v for _, v in r["train/lr_scale"]) for r in runs if r.get("train/lr_scale")]
-        walls = [r["wall/total_s"] for r in runs if "wall/total_s" in r]
-        reach = [x["reach"] for x in stats if x["reach"] is not None]
-        steps = _span(reach, "{:.1f}") if reach else "never"
-        if reach and len(reach) < len(runs):
-            steps += f" / {len(runs) - len(reach)} never"
+        steps = _reach_cell([x["reach"] for x in stats if x["reach"] is not None], len(runs))
         lines.append(
             f"| {level} | {name} | {_span(finals)} | {_span(aucs)} | {_span([x['final'] for x in stats])} "
             f"| {_span([x['overshoot'] for x in stats])} | {steps} "
-            f"| {sum(x['diverged'] for x in stats)}/{len(runs)} | {lag} "
+            f"| {sum(x['diverged'] for x in stats)}/{len(runs)} | {_lag_cell(level, runs)} "
             f"| {f'{min(rho):.3f}' if rho else '–'} | {f'{min(scale):.3f}' if scale else '–'} "
-            f"| {f'{statistics.mean(walls):.0f}' if walls else '–'} | {len(runs)} |"
+            f"| {_wall_cell(runs)} | {len(runs)} |"
         )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -263,21 +273,12 @@ def write_table(results: dict, path: str, command: str, window: int) -> None:
         level, name = key.split(" | ")
         finals = [final_reward(r["train/reward"], window) for r in runs]
         aucs = [statistics.mean(v for _, v in r["train/reward"]) for r in runs]
-        lags = [
-            statistics.mean(v for _, v in r["train/version_lag/mean"]) for r in runs if r["train/version_lag/mean"]
-        ]
         sd = statistics.stdev(finals) if len(finals) > 1 else 0.0
-        lag = f"{statistics.mean(lags):.2f}" if lags else ("0" if level == "sync" else "not logged")
-        walls = [r["wall/total_s"] for r in runs if "wall/total_s" in r]
-        wall = f"{statistics.mean(walls):.0f}" if walls else "–"
         reach = [next(s for s, v in r["train/reward"] if v >= 0.9) for r in runs if reached(r["train/reward"])]
-        steps09 = f"{statistics.mean(reach):.1f} [{min(reach)}, {max(reach)}]" if reach else "never"
-        if reach and len(reach) < len(runs):
-            steps09 += f" / {len(runs) - len(reach)} never"
         lines.append(
             f"| {level} | {name} | {statistics.mean(finals):.3f} ± {sd:.3f} | [{min(finals):.3f}, {max(finals):.3f}] "
-            f"| {statistics.mean(aucs):.3f} | [{min(aucs):.3f}, {max(aucs):.3f}] | {steps09} | {lag} | {wall} "
-            f"| {len(runs)} |"
+            f"| {statistics.mean(aucs):.3f} | [{min(aucs):.3f}, {max(aucs):.3f}] | {_reach_cell(reach, len(runs))} "
+            f"| {_lag_cell(level, runs)} | {_wall_cell(runs)} | {len(runs)} |"
         )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

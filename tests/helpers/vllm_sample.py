@@ -10,20 +10,11 @@ import os
 
 
 def fp32_engine(model: str, max_model_len: int, max_logprobs: int):
-    """An in-process fp32 vLLM engine (tiny model, small KV cache, no compile) whose log-probs are those of the
+    """An in-process fp32 vLLM engine (``openrlhf_ess.tiny.engine``) whose log-probs are those of the
     distribution sampled from (``processed_logprobs``: temperature and any top-k/top-p cut applied)."""
-    from vllm import LLM
+    from openrlhf_ess.tiny.engine import tiny_engine
 
-    return LLM(
-        model=model,
-        dtype="float32",
-        seed=0,
-        max_model_len=max_model_len,
-        kv_cache_memory_bytes=64 << 20,
-        logprobs_mode="processed_logprobs",
-        max_logprobs=max_logprobs,
-        enforce_eager=True,
-    )
+    return tiny_engine(model, "float32", max_model_len=max_model_len, max_logprobs=max_logprobs)
 
 
 def main() -> None:
