@@ -397,8 +397,9 @@ def add_routing_replay_arguments(parser: argparse.ArgumentParser) -> None:
         "--algo.routing_replay",
         action="store_true",
         help="MoE models: the engine returns the expert ids it chose per token and MoE layer, and the trainer's "
-        "forwards replay them: pi_theta (forward and backward of the training step), the pi_prox forwards and "
-        "pi_ref use the engine's experts, with gate weights from the trainer's own router (its gradient kept). "
+        "forwards replay them: pi_theta (forward and backward of the training step), the pi_prox forwards (also "
+        "the streams interrupt/dedicated score at a weight sync) and pi_ref use the engine's experts, with gate "
+        "weights from the trainer's own router (its gradient kept). "
         "Removes the route flips (near-tied experts resolved differently by engine and trainer kernels) from the "
         "train/rollout mismatch. Metrics: routing/replayed_frac, routing/disagree_frac (share of response "
         "positions where the trainer's own top-k differs from the engine's). Cost: layers x top_k x (1 byte if "
@@ -833,29 +834,11 @@ def _validate_routing_replay(args: types.SimpleNamespace) -> None:
     flag = "--algo.routing_replay"
     if not args.vllm.num_engines:
         raise ConfigError(f"{flag} replays the expert ids the vLLM engines chose: it needs --vllm.num_engines >= 1.")
-    if args.train.dynamic_batch_enable:
+    if args.ds.ring_attn_size > 1:
         raise ConfigError(
-            f"{flag} with --train.dynamic_batch_enable is not supported yet: upstream's balance_experiences "
-            "rebuilds the batches from the Experience fields only, so the routes would not reach the actors. "
-            "Drop --train.dynamic_batch_enable, or drop --algo.routing_replay."
-        )
-    if args.ds.packing_samples or args.ds.ring_attn_size > 1:
-        raise ConfigError(
-            f"{flag} with --ds.packing_samples or --ds.ring_attn_size > 1: the routes are placed per padded row "
-            "(one row per sample, as upstream pads sequences), not on packed or ring-sliced tokens. Drop those "
-            "flags, or drop --algo.routing_replay."
-        )
-    if args.train.agent_func_path:
-        raise ConfigError(
-            f"{flag} with --train.agent_func_path is not supported yet: a multi-call agent sample's routes would "
-            "come from several engine requests, whose rows are not carried. Use the single-turn path "
-            "(--reward.remote_url), or drop --algo.routing_replay."
-        )
-    if args.algo.prox_mode in SCORE_AT_SYNC_MODES:
-        raise ConfigError(
-            f"{flag} with --algo.prox_mode {args.algo.prox_mode}: streams scored at a weight sync carry no routes, "
-            "so their pi_prox would use the trainer's own experts. Use --algo.prox_mode recompute, snapshot, ewma, "
-            "loglinear or bypass, or drop --algo.routing_replay."
+            f"{flag} with --ds.ring_attn_size {args.ds.ring_attn_size}: the routes are packed like the tokens "
+            "(--ds.packing_samples works) but not sliced across ring-attention ranks yet. Use --ds.ring_attn_size 1, "
+            "or drop --algo.routing_replay."
         )
 
 

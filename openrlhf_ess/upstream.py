@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import builtins
+import functools
 import importlib
 import inspect
 import types
@@ -233,6 +234,20 @@ def actor_forward_with_log_probs(log_probs_fn: Callable) -> Callable:
     from openrlhf.models.actor import Actor
 
     return rebind(Actor.forward, {"log_probs_from_logits": log_probs_fn})
+
+
+@functools.lru_cache(maxsize=None)
+def train_step_with_balance(balance: Callable) -> Callable:
+    """Upstream's ``BasePPOTrainer.train_step`` (unbound) balancing its experiences across DP ranks
+    (``--train.dynamic_batch_enable``) with ``balance`` instead of ``balance_experiences``, a module global of
+    ``openrlhf/trainer/ppo_trainer.py`` (``trainer/carried.py``: upstream's drops our per-sample attributes).
+    One copy per ``balance``."""
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    step = BasePPOTrainer.train_step
+    if "balance_experiences" not in step.__code__.co_names or "balance_experiences" not in step.__globals__:
+        raise RuntimeError("upstream's BasePPOTrainer.train_step no longer calls balance_experiences; see upstream.py")
+    return rebind(step, {"balance_experiences": balance})
 
 
 def upstream_log_probs_from_logits() -> Callable:

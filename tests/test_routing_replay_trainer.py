@@ -19,7 +19,7 @@ cpu_compat.apply()
 
 from openrlhf_ess import config  # noqa: E402
 from openrlhf_ess.models import routing_replay as seam  # noqa: E402
-from openrlhf_ess.trainer import routing_replay  # noqa: E402
+from openrlhf_ess.trainer import carried, routing_replay  # noqa: E402
 from openrlhf_ess.trainer.ray import vllm_engine  # noqa: E402
 
 
@@ -122,10 +122,15 @@ def test_samples_generator_attaches_routes_and_refuses_a_response_without():
     exp = gen._process_response_into_experience(response, max_len=2048)
     assert exp.rollout_routes.shape == (1, 4, 2, 2) == (*exp.sequences.shape, 2, 2)
     assert exp.rollout_routes[0, 2].tolist() == [[0, 1], [3, 0]] and (exp.rollout_routes[0, 3] == 255).all()
-    with pytest.raises(RuntimeError, match="without the engine's routes"):
+    with pytest.raises(RuntimeError, match="without the engine.s routes \\(routed_experts\\)"):
         gen._process_response_into_experience({**response, "rollout_routes": None}, max_len=2048)
     gen.args.algo.routing_replay = False  # off: nothing attached
     assert not hasattr(gen._process_response_into_experience(response, max_len=2048), "rollout_routes")
+    gen.args.algo.sampling_mask = "keep"  # the kept counts are refused the same way
+    with pytest.raises(
+        RuntimeError, match="--algo.sampling_mask keep: a response came back without the engine.s kept"
+    ):
+        gen._process_response_into_experience(response, max_len=2048)
 
 
 def _item_experience(routes, widths):
@@ -151,11 +156,8 @@ def _item_experience(routes, widths):
 def test_replay_buffer_carries_routes_through_split_and_collate():
     from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
 
-    from openrlhf_ess.trainer import sampling_mask
-
     buffer = NaiveReplayBuffer(sample_batch_size=2, limit=0, cpu_offload=False)
-    sampling_mask.adopt_replay_buffer(buffer)  # both wrappers compose, as with both flags on
-    routing_replay.adopt_replay_buffer(buffer)
+    carried.adopt_replay_buffer(buffer)  # the kept counts and the routes, as with both flags on
     routes = torch.arange(2 * 4 * 1 * 2, dtype=torch.uint8).reshape(2, 4, 1, 2)
     buffer.append(_item_experience(routes, [4, 3]))
     assert [item.rollout_routes.shape[0] for item in buffer.items] == [4, 3]  # cut like sequences
@@ -166,11 +168,11 @@ def test_replay_buffer_carries_routes_through_split_and_collate():
     assert torch.equal(batch.rollout_routes[1], routes[0])
     assert batch.rollout_kept_counts is not None
     plain = NaiveReplayBuffer(sample_batch_size=2, limit=0, cpu_offload=False)  # off: upstream's buffer
-    routing_replay.adopt_replay_buffer(plain)
+    carried.adopt_replay_buffer(plain)
     exp = _item_experience(routes, [4, 3])
     del exp.rollout_routes
     plain.append(exp)
-    assert routing_replay.batched_routes(plain.items, 4) is None
+    assert carried.batched(carried.ROUTES, plain.items, 4) is None
 
 
 # ---- engine side ----------------------------------------------------------------------------------------------
@@ -220,7 +222,7 @@ def test_engine_attaches_the_final_outputs_routes_to_the_response():
         response = asyncio.run(executor.execute())
         assert response["rollout_versions"] == [-1, -1, -1, 0, 0]
         if report:
-            assert response["rollout_routes"] is final_routes
+            assert np.array_equal(response["rollout_routes"], final_routes)
         else:  # off: nothing attached
             assert "rollout_routes" not in response
 
@@ -253,6 +255,209 @@ def test_engine_init_asks_vllm_for_routes_and_runs_the_self_check(monkeypatch):
     seen.clear()
     asyncio.run(vllm_engine.RolloutRayActorImpl.__init__(object.__new__(vllm_engine.RolloutRayActorImpl)))
     assert "enable_return_routed_experts" not in seen  # off: upstream's engine kwargs
+
+
+# ---- agent turns and scoring at a weight sync ------------------------------------------------------------------
+
+
+def _rows(first: int, n: int) -> np.ndarray:
+    """n rows [n, 1 layer, 1 id] numbered first, first + 1, ... (uint8), so a row's origin reads off its value."""
+    return (np.arange(n, dtype=np.uint8) + first).reshape(n, 1, 1)
+
+
+# An agent sample: prompt [1 2 3], turn 0 acts [10 11], feedback [20 21], turn 1 acts [12 13], feedback [30].
+AGENT_OBSERVATION = [1, 2, 3, 10, 11, 20, 21, 12, 13, 30]
+AGENT_CALLS = [([1, 2, 3], [10, 11], _rows(100, 4)), ([1, 2, 3, 10, 11, 20, 21], [12, 13], _rows(200, 8))]
+# Position i scores token i + 1. Positions 2-3 score turn 0's tokens (10, 11): turn 0's rows. Positions 6-7 score
+# turn 1's (12, 13): turn 1's. Positions 0, 1, 4, 5 (prompt, feedback): the latest turn that forwarded them (1).
+# Position 8 (token 13, scoring the final feedback 30): no request forwarded it.
+AGENT_EXPECTED = [200, 201, 102, 103, 204, 205, 206, 207, 255]
+
+
+def test_agent_routes_by_hand():
+    out = routing_replay.agent_routes(AGENT_OBSERVATION, AGENT_CALLS)
+    assert out.dtype == np.uint8 and out.shape == (9, 1, 1)
+    assert out[:, 0, 0].tolist() == AGENT_EXPECTED
+    single = routing_replay.agent_routes([1, 2, 3, 10, 11], AGENT_CALLS[:1])  # one call: its rows unchanged
+    assert np.array_equal(single, _rows(100, 4))
+
+
+def test_agent_routes_refuses_turns_it_cannot_place():
+    edited = [(AGENT_CALLS[1][0][:-1] + [99], AGENT_CALLS[1][1], AGENT_CALLS[1][2])]  # the agent edited a token
+    with pytest.raises(RuntimeError, match="not a prefix of the sample"):
+        routing_replay.agent_routes(AGENT_OBSERVATION, edited)
+    short = [(AGENT_CALLS[0][0], AGENT_CALLS[0][1], _rows(100, 3))]  # one row too few for 3 + 2 tokens
+    with pytest.raises(RuntimeError, match="routes for 3"):
+        routing_replay.agent_routes(AGENT_OBSERVATION, short)
+
+
+def test_engine_places_an_agents_routes_from_each_turn():
+    """The real tracked stream and executor wrapper, two generate() calls (one per agent turn) on fake vLLM
+    outputs: the response's routes follow the by-hand rule above."""
+    by_prompt = {len(prompt): (prompt, tokens, routes) for prompt, tokens, routes in AGENT_CALLS}
+
+    async def generate(prompt, sampling_params, *args, request_id=None, **kwargs):
+        p, tokens, routes = by_prompt[len(prompt)]
+        yield _output(p, tokens[:1])
+        yield _output(p, tokens, routes)
+
+    engine = types.SimpleNamespace(
+        weight_version=0, _inflight={}, _finished=[], report_outgoing=False, report_kept_counts=False
+    )
+    engine.report_routes = True
+    tracked = vllm_engine.RolloutRayActorImpl._tracking_stream(engine, generate)
+
+    class Agent:
+        async def execute(self, *args, **kwargs):
+            for prompt, _, _ in AGENT_CALLS:
+                async for _ in tracked(prompt, types.SimpleNamespace(min_tokens=0), f"r{len(prompt)}"):
+                    pass
+            return {"observation_tokens": AGENT_OBSERVATION, "action_ranges": [(3, 5), (7, 9)]}
+
+    response = asyncio.run(vllm_engine._VersionTaggingExecutor(Agent(), routes=True).execute())
+    assert response["rollout_routes"][:, 0, 0].tolist() == AGENT_EXPECTED
+    sample = routing_replay.observation_routes(response["rollout_routes"], len(AGENT_OBSERVATION), 64)
+    assert sample.shape == (1, 10, 1, 1) and sample[0, -1, 0, 0] == 255  # the last token: the sentinel
+
+
+def _output_processor(request_id: str = "r0", max_tokens: int = 3):
+    """vLLM's real OutputProcessor (the AsyncLLM front end's) with one request ``request_id`` (internal id
+    ``request_id-1``) of a 3-token prompt. vLLM's CPU backend cannot produce routes, so the engine core's outputs
+    are written here, in vLLM 0.29's order: the prompt's 3 rows with the first token, then one row per decoded
+    token."""
+    import time
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
+
+    processor = OutputProcessor(None, log_stats=False)
+    params = SamplingParams(max_tokens=max_tokens, detokenize=False, output_kind=RequestOutputKind.CUMULATIVE)
+    request = EngineCoreRequest(
+        request_id=f"{request_id}-1",
+        prompt_token_ids=[1, 2, 3],
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        external_req_id=request_id,
+    )
+    queue = RequestOutputCollector(RequestOutputKind.CUMULATIVE, request_id)
+    processor.add_request(request, None, None, 0, queue)
+    return processor, queue
+
+
+def _step(processor, token: int, routes: np.ndarray, finished: bool = False, request_id: str = "r0") -> None:
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    reason = FinishReason.LENGTH if finished else None
+    out = EngineCoreOutput(
+        request_id=f"{request_id}-1", new_token_ids=[token], routed_experts=routes, finish_reason=reason
+    )
+    processor.process_outputs([out])
+
+
+def test_inflight_routes_reads_vllms_output_processor():
+    """Mid-generation, ``inflight_routes`` returns the rows vLLM has accumulated (prompt + tokens so far - 1); they
+    are the first rows of the routes vLLM's own final output carries."""
+    processor, queue = _output_processor()
+    llm = types.SimpleNamespace(output_processor=processor)
+    assert vllm_engine.inflight_routes(llm, "r0") is None  # nothing forwarded yet
+    _step(processor, 7, _rows(0, 3))
+    assert queue.get_nowait().outputs[0].routed_experts is None  # vLLM returns routes only when it finishes
+    assert vllm_engine.inflight_routes(llm, "r0")[:, 0, 0].tolist() == [0, 1, 2]
+    _step(processor, 8, _rows(3, 1))
+    mid = vllm_engine.inflight_routes(llm, "r0")
+    assert mid[:, 0, 0].tolist() == [0, 1, 2, 3]
+    _step(processor, 9, _rows(4, 1), finished=True)
+    final = queue.get_nowait().outputs[0].routed_experts
+    assert final.shape == (5, 1, 1) and np.array_equal(final[: len(mid)], mid)
+    with pytest.raises(RuntimeError, match="holds 0 states for request 'r0'"):  # finished: vLLM dropped it
+        vllm_engine.inflight_routes(llm, "r0")
+
+
+def test_outgoing_streams_carry_routes_of_the_tokens_streamed_so_far():
+    """The real ``outgoing_streams``: an in-flight request's routes come from vLLM's output processor, cut to the
+    tokens the caller has seen (vLLM may have processed more); a finished one's from its final output."""
+    processor, _ = _output_processor()
+    _step(processor, 7, _rows(0, 3))
+    _step(processor, 8, _rows(3, 1))  # vLLM has 2 tokens; the stream consumer saw only the first
+    inflight = vllm_engine._Progress(0)
+    inflight.streamed, inflight.prompt, inflight.tokens = 1, [1, 2, 3], [7]
+    done = vllm_engine._Progress(0)
+    done.streamed, done.prompt, done.tokens, done.routes = 2, [5, 6], [4, 4], _rows(50, 3)
+    engine = types.SimpleNamespace(
+        weight_version=0,
+        _inflight={"r0": inflight},
+        _finished=[done],
+        report_kept_counts=False,
+        report_routes=True,
+        llm=types.SimpleNamespace(output_processor=processor),
+    )
+    reports = asyncio.run(vllm_engine.RolloutRayActorImpl.outgoing_streams(engine))
+    assert [r["stream"] for r in reports] == [[1, 2, 3, 7], [5, 6, 4, 4]]
+    assert reports[0]["routes"][:, 0, 0].tolist() == [0, 1, 2]  # 4 tokens: the rows of the first 3
+    assert reports[1]["routes"][:, 0, 0].tolist() == [50, 51, 52]
+    done.routes = _rows(50, 2)  # fewer rows than the stream needs: refused, not scored on the wrong tokens
+    engine._inflight, engine._finished = {}, [done]
+    with pytest.raises(RuntimeError, match="has 2 rows of routes"):
+        asyncio.run(vllm_engine.RolloutRayActorImpl.outgoing_streams(engine))
+
+
+def test_check_inflight_routes_contract():
+    routing_replay.check_inflight_routes_contract(5, 5, True)
+    with pytest.raises(vllm_engine.EngineContractError, match="had None rows"):
+        routing_replay.check_inflight_routes_contract(None, 5, True)
+    with pytest.raises(vllm_engine.EngineContractError, match="had 4 rows, expected >= 5"):
+        routing_replay.check_inflight_routes_contract(4, 5, True)
+    with pytest.raises(vllm_engine.EngineContractError, match="differ from the first 5 rows"):
+        routing_replay.check_inflight_routes_contract(5, 5, False)
+
+
+def test_streams_scored_at_a_sync_replay_the_engines_routes(moe_world):
+    """interrupt (``ProxSources.score_streams``) and dedicated (``ProxScorerImpl.score``) score with the engine's
+    routes: equal to upstream's Actor forward under the same routes (an independent path: upstream's forward and
+    log-prob code, the seam's hook), and different from scoring without them."""
+    from openrlhf_ess.trainer import prox
+    from openrlhf_ess.trainer.prox_sources import ProxSources
+    from openrlhf_ess.trainer.ray.prox_scorer import ProxScorerImpl
+
+    actor = _actor(moe_world["model"])
+    hf = routing_replay.hf_model(actor)
+    seqs, attn, _ = _batch(hf.config.vocab_size)
+    lengths = [int(n) for n in attn.sum(-1)]
+    streams = [seqs[b, :n].tolist() for b, n in enumerate(lengths)]
+    with torch.no_grad(), seam.record_routes(hf) as rec:
+        hf(input_ids=seqs, attention_mask=attn)
+    shifted = ((rec.routes.long() + 1) % 4).to(torch.uint8)  # [B, S, L, k]: experts the model would not pick
+    engine_rows = [shifted[b, : n - 1].numpy() for b, n in enumerate(lengths)]  # vLLM's layout: all but the last
+    action_mask = torch.zeros(2, seqs.shape[1] - 1, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        action_mask[b, : n - 1] = True
+    with torch.no_grad(), routing_replay.applied(actor, shifted):
+        expected = actor(seqs, action_mask, attn)
+    with torch.no_grad():
+        plain = prox.stream_log_probs(hf, streams)
+    sources = ProxSources(
+        types.SimpleNamespace(
+            algo=types.SimpleNamespace(prox_mode="interrupt", prox_snapshots=1),
+            rollout=types.SimpleNamespace(temperature=1.0),
+        ),
+        types.SimpleNamespace(module=hf),
+        partitioned=False,
+    )
+    scorer = ProxScorerImpl(moe_world["model"], "fp32", "sdpa", 1.0)
+    for scored in (
+        sources.score_streams(0, streams, routes=engine_rows),
+        scorer.score(0, streams, routes=engine_rows),
+    ):
+        for b, n in enumerate(lengths):
+            torch.testing.assert_close(scored[b], expected[b, : n - 1].float(), atol=1e-5, rtol=0)
+            assert (scored[b] - plain[b]).abs().max() > 1e-3
 
 
 # ---- flags ----------------------------------------------------------------------------------------------------
@@ -451,3 +656,102 @@ def test_deepspeed_actor_log_probs_under_replay(moe_world, tmp_path):
     res = json.loads(out.read_text())
     assert res["hf"] == "Qwen2MoeForCausalLM" and res["equal"] and res["other_gap"] > 1e-3
     assert res["replayed_frac"] == 1.0 and res["disagree_frac"] == 0.0
+
+
+def test_self_check_reads_routes_mid_generation_when_a_sync_scores_streams(monkeypatch):
+    """With scoring at a weight sync (``report_outgoing``), the start-up check reads the routes at the first
+    streamed output through vLLM's real OutputProcessor, and stops the engine when they are not the first rows of
+    the final routes (here: a row rewritten after the read)."""
+    parent = vllm_engine.RolloutRayActorImpl.__mro__[1]
+    tamper = {"on": False}
+
+    async def fake_init(self, *args, **kwargs):
+        async def generate(prompt, params, request_id=None):
+            processor, queue = _output_processor(request_id, params.max_tokens)
+            self.llm.output_processor = processor
+            _step(processor, 7, np.ones((3, 2, 2), np.uint8), request_id=request_id)
+            yield queue.get_nowait()
+            if tamper["on"]:
+                processor.request_states[f"{request_id}-1"].routed_experts_chunks[0][0, 0, 0] = 3
+            for i in range(1, params.max_tokens):
+                last = i == params.max_tokens - 1
+                _step(processor, 7, np.ones((1, 2, 2), np.uint8), finished=last, request_id=request_id)
+                yield queue.get_nowait()
+
+        hf = types.SimpleNamespace(num_hidden_layers=2, num_experts_per_tok=2)
+        self.llm = types.SimpleNamespace(generate=generate, model_config=types.SimpleNamespace(hf_text_config=hf))
+        self.executor = object()
+
+    monkeypatch.setattr(parent, "__init__", fake_init)
+    engine = object.__new__(vllm_engine.RolloutRayActorImpl)
+    asyncio.run(vllm_engine.RolloutRayActorImpl.__init__(engine, report_routes=True, report_outgoing=True))
+    tamper["on"] = True
+    with pytest.raises(vllm_engine.EngineContractError, match="differ from the first 3 rows"):
+        asyncio.run(vllm_engine.RolloutRayActorImpl.__init__(engine, report_routes=True, report_outgoing=True))
+
+
+# ---- packed forwards (--ds.packing_samples, forced on by --train.dynamic_batch_enable) ---------------------
+
+
+def _flash_attn_padding(monkeypatch):
+    """flash-attn's three padding helpers, which upstream's packed ``Actor.forward`` calls (flash-attn cannot be
+    installed without CUDA, and cpu_compat's shim refuses them), written out from their definition: unpad keeps
+    ``attention_mask.flatten().nonzero()`` in that order; pad puts the rows back."""
+    from openrlhf.models import ring_attn_utils
+
+    def unpad_input(hidden, mask):
+        indices = mask.reshape(-1).nonzero().squeeze(-1)
+        lengths = mask.sum(-1, dtype=torch.int32)
+        cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        return hidden.reshape(-1, *hidden.shape[2:])[indices], indices, cu, int(lengths.max()), lengths
+
+    def pad_input(hidden, indices, batch, seqlen):
+        out = torch.zeros(batch * seqlen, *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
+        out[indices] = hidden
+        return out.reshape(batch, seqlen, *hidden.shape[1:])
+
+    monkeypatch.setattr(ring_attn_utils, "unpad_input", unpad_input)
+    monkeypatch.setattr(ring_attn_utils, "pad_input", pad_input)
+    monkeypatch.setattr(ring_attn_utils, "index_first_axis", lambda x, indices: x[indices])
+
+
+def test_packed_forward_replays_each_tokens_route_and_reports(moe_world, monkeypatch):
+    """A packing ``Actor`` (upstream's, unpadding to (1, N)): every packed token's MoE layers use the route of
+    that token (placed by hand here), and the training-step metrics count the packed scoring positions. (The CPU
+    forward attends across the packed samples, flash-attn's varlen kernel does not; the routes' placement does
+    not depend on it.)"""
+    from openrlhf.models.actor import Actor
+
+    _flash_attn_padding(monkeypatch)
+    actor = Actor(moe_world["model"], attn_implementation="sdpa", param_dtype="fp32", packing_samples=True).eval()
+    assert routing_replay.packs(actor)
+    hf = routing_replay.hf_model(actor)
+    seqs, attn, action_mask = _batch(hf.config.vocab_size)
+    with torch.no_grad(), seam.record_routes(hf) as rec:
+        plain = actor(seqs, action_mask, attn)
+    own_packed = rec.routes  # [1, N, L, k]: the packed forward's own choice
+    assert own_packed.shape[1] == int(attn.sum())
+    routes = torch.full((*seqs.shape, *own_packed.shape[2:]), 255, dtype=torch.uint8)  # back to [B, S], by hand
+    j = 0
+    for b in range(seqs.shape[0]):
+        for s in range(seqs.shape[1]):
+            if attn[b, s]:
+                routes[b, s] = own_packed[0, j]
+                j += 1
+    shifted = torch.where(routes == 255, routes, ((routes.long() + 1) % 4).to(torch.uint8))
+    experience = types.SimpleNamespace(attention_mask=attn, action_mask=action_mask, rollout_routes=routes)
+    with torch.no_grad(), routing_replay.replayed_step(actor, experience) as stats:
+        replayed = actor(seqs, action_mask, attn)
+    assert torch.equal(replayed, plain)  # own routes, packed back in place: the same forward, bit for bit
+    assert stats[0].replayed_frac == 1.0 and stats[0].disagree_frac == 0.0
+    assert stats[0].tokens == action_mask.sum()
+    experience.rollout_routes = shifted
+    with torch.no_grad(), routing_replay.replayed_step(actor, experience) as stats:
+        with seam.record_routes(hf) as used:  # inside the replay: the ids the experts used
+            actor(seqs, action_mask, attn)
+    expected = torch.cat([shifted[b][attn[b].bool()] for b in range(seqs.shape[0])]).unsqueeze(0)
+    assert torch.equal(used.routes, expected.long())
+    assert stats[0].disagree_frac > 0.4  # layer 0's input is unchanged, so all its scored tokens disagree
+    with pytest.raises(RuntimeError, match="needs the attention mask"):
+        with routing_replay.applied(actor, routes):
+            pass

@@ -15,7 +15,7 @@ cpu_compat.apply()
 
 from openrlhf_ess import config  # noqa: E402
 from openrlhf_ess.models import sampling_mask as maths  # noqa: E402
-from openrlhf_ess.trainer import sampling_mask  # noqa: E402
+from openrlhf_ess.trainer import carried, sampling_mask  # noqa: E402
 from openrlhf_ess.trainer.ray import vllm_engine  # noqa: E402
 
 LOGITS5 = torch.tensor([2.0, 1.0, 0.0, -1.0, -2.0])
@@ -144,7 +144,7 @@ def _experience(kept_rows, widths):
 def test_replay_buffer_carries_kept_counts_through_split_and_collate():
     from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
 
-    buffer = sampling_mask.adopt_replay_buffer(NaiveReplayBuffer(sample_batch_size=2, limit=3, cpu_offload=False))
+    buffer = carried.adopt_replay_buffer(NaiveReplayBuffer(sample_batch_size=2, limit=3, cpu_offload=False))
     buffer.append(_experience([[5, 6, 7], [8, 9, 0]], [3, 2]))
     buffer.append(_experience([[-4, 1, 2], [3, 3, 3]], [3, 3]))  # the limit drops the first item
     assert [item.rollout_kept_counts.tolist() for item in buffer.items] == [[8, 9], [-4, 1, 2], [3, 3, 3]]

@@ -264,6 +264,17 @@ def disagree_frac(trainer_routes: torch.Tensor, engine_routes: torch.Tensor, mas
     return per_layer.mean()
 
 
+SENTINEL_U8 = 255
+SENTINEL_I16 = -1
+
+
+def sentinel(dtype: torch.dtype) -> int:
+    """The "no route recorded" id of a route dtype (uint8: 255, int16: −1): outside [0, E), so the token keeps
+    the model's own top-k. Here, not in ``trainer/routing_replay.py``, so that ``trainer/carried.py`` pads routes
+    without importing the trainer module that imports it."""
+    return SENTINEL_U8 if dtype == torch.uint8 else SENTINEL_I16
+
+
 def route_dtype(num_experts: int) -> torch.dtype:
     """Storage dtype of expert ids: uint8 if num_experts <= 256, else int16 (see :func:`route_bytes_per_token`)."""
     return torch.uint8 if num_experts <= 256 else torch.int16

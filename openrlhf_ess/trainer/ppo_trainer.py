@@ -31,9 +31,19 @@ class OffPolicyControllerMixin:
         self.experience_maker = RemoteExperienceMaker.from_upstream(self.experience_maker)
 
     def train_step(self, rollout_samples, global_step):
-        """Wraps upstream's: tell the maker the current version, merge its batch-global metrics."""
+        """Wraps upstream's: tell the maker the current version, merge its batch-global metrics.
+
+        With --train.dynamic_batch_enable it runs upstream's ``BasePPOTrainer.train_step`` (the next one in our
+        controllers' MRO, tests/test_carried.py) with ``carried.balance_experiences``: upstream's balance drops
+        the per-sample attributes (kept counts, routes) before the actors' ``append``."""
         self.experience_maker.weight_version = self.weight_version
-        status, global_step = super().train_step(rollout_samples, global_step)
+        if self.args.train.dynamic_batch_enable:
+            from openrlhf_ess.trainer import carried
+
+            balanced_train_step = upstream.train_step_with_balance(carried.balance_experiences)
+            status, global_step = balanced_train_step(self, rollout_samples, global_step)
+        else:
+            status, global_step = super().train_step(rollout_samples, global_step)
         status.update(self.experience_maker.last_metrics)
         status.update(getattr(self, "prox_sync_metrics", {}))  # the last sync's (score-at-sync modes)
         self.prox_sync_metrics = {}
@@ -100,7 +110,8 @@ class ScoreAtSyncMixin(_upstream.BasePPOTrainer):
             todo.append(report)
         self.consumed.clear()
         kept = [r["kept"] for r in todo] if config.sampling_mask_on(self.args) else None
-        log_probs = self._score(version, [r["stream"] for r in todo], kept) if todo else []
+        routes = [r["routes"] for r in todo] if config.routing_replay_on(self.args) else None
+        log_probs = self._score(version, [r["stream"] for r in todo], kept, routes) if todo else []
         for report, lp in zip(todo, log_probs):
             self.prox_store.put(report["stream"], report["versions"], version, lp)
         scored_s = time.time() - t0
@@ -121,16 +132,21 @@ class ScoreAtSyncMixin(_upstream.BasePPOTrainer):
         metrics["prox/store_entries"] = float(len(self.prox_store))
         self.prox_sync_metrics = metrics
 
-    def _score(self, version: int, streams, kept=None):
+    def _score(self, version: int, streams, kept=None, routes=None):
         if self.prox_scorer is not None:
-            return ray.get(self.prox_scorer.score.remote(version, streams, kept))
+            return ray.get(self.prox_scorer.score.remote(version, streams, kept, routes))
         actors = upstream.group_actors(self.actor_model_group)
         # every rank gets a share (maybe none): under ZeRO-3 all of them must take part in the forwards
         size = -(-len(streams) // len(actors))
         chunks = [slice(i * size, (i + 1) * size) for i in range(len(actors))]
         results = ray.get(
             [
-                actor.score_streams.remote(version, streams[part], None if kept is None else kept[part])
+                actor.score_streams.remote(
+                    version,
+                    streams[part],
+                    None if kept is None else kept[part],
+                    None if routes is None else routes[part],
+                )
                 for actor, part in zip(actors, chunks)
             ]
         )

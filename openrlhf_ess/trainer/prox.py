@@ -330,6 +330,7 @@ def stream_log_probs(
     kept=None,
     stop_ids=(),
     memory_mb: int = SCORE_MEMORY_MB,
+    routes=None,
 ):
     """log π(s_t | s_<t) for t >= 1 of each token stream, as the actor's forward computes it.
 
@@ -339,7 +340,9 @@ def stream_log_probs(
     upstream ``Actor`` / DeepSpeed engine around one. ``forwards``: run at least this many forwards (padding
     with a one-token one), so ZeRO-3 ranks with fewer streams join every gather. ``kept``
     (--algo.sampling_mask keep): per stream, the engine's kept count of each token (0 for prompt tokens);
-    token t's log-prob is then renormalised over its kept support (``models/sampling_mask.py``).
+    token t's log-prob is then renormalised over its kept support (``models/sampling_mask.py``). ``routes``
+    (--algo.routing_replay): per stream, the engine's routed_experts of its tokens but the last [len − 1, L, k];
+    the MoE layers then use those experts (``trainer/routing_replay.py``), as every other π forward does.
 
     Memory (``memory_mb``, --algo.prox_score_memory_mb; docs/prox_modes.md): one model forward per group of
     :func:`stream_groups` (≤ ``micro_batch`` streams, hidden states ≤ the budget in fp32), and the LM head is
@@ -383,7 +386,14 @@ def stream_log_probs(
             return chunked_log_probs(project, len(labels), labels, counts, temperature, rows, stop_ids)
 
         inputs = dict(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device))
-        lp, logits = _forward_scoring_in_head(model, head, inputs, score, rows_per_chunk(vocab, memory_mb, masked))
+        replay = contextlib.nullcontext()
+        if routes is not None:
+            from openrlhf_ess.trainer import routing_replay
+
+            replayed = routing_replay.stream_routes([routes[i] for i in group], [len(s) for s in chunk], width)
+            replay = routing_replay.applied(model, replayed)
+        with replay:
+            lp, logits = _forward_scoring_in_head(model, head, inputs, score, rows_per_chunk(vocab, memory_mb, masked))
         if lp is None:  # no separable head: its full logits, scored in the same chunks
             lp = score(lambda b, t, full=logits: full[b, t], rows_per_chunk(logits.shape[-1], memory_mb, masked))
         logits = None

@@ -130,7 +130,7 @@ class ProxSources:
         self._seconds += time.time() - t0
         return out
 
-    def score_streams(self, version: int, streams, kept=None, stop_ids=()) -> list:
+    def score_streams(self, version: int, streams, kept=None, stop_ids=(), routes=None) -> list:
         """interrupt mode, at the sync version -> version + 1: π_version of each token stream, scored with the
         kept copy of ``version``'s weights (the live weights are already the next version's). Every actor rank
         is called, some with no streams; under ZeRO-3 all of them run the same number of forwards."""
@@ -159,6 +159,7 @@ class ProxSources:
                     kept=kept,
                     stop_ids=stop_ids,
                     memory_mb=memory_mb,
+                    routes=routes,
                 )
         finally:
             model.train(was_training)

@@ -7,11 +7,15 @@ engine's expert ids from the rollout to every forward that scores a rollout toke
   [P + G − 1, num_hidden_layers, k] (uint8 up to 256 experts, else uint16): the route of every token it
   forwarded, prompt included; the last sampled token is never forwarded. :func:`observation_routes` puts them
   at the sample's token positions: ``rollout_routes`` [1, S, L, k], row i = the route of token i, the last token
-  gets :func:`sentinel`.
+  gets :func:`sentinel`. An agent's sample is several requests (one per turn): :func:`agent_routes` places them.
+- **Weight sync** (--algo.prox_mode interrupt/dedicated): each stream scored there carries its routes (an in-flight
+  request's read from vLLM's output processor, ``vllm_engine.inflight_routes``); :func:`stream_routes` lays them
+  out for ``prox.stream_log_probs``.
 - **Sample → micro-batch**: upstream right-pads sequences (prompt at column 0); :func:`pad_routes` pads routes
   the same way, with the sentinel.
-- **Replay buffer**: upstream rebuilds each Experience from its dataclass fields, so
-  :func:`adopt_replay_buffer` re-attaches the attribute after its split and collate (as the kept counts are).
+- **Replay buffer, dynamic batch**: upstream's replay buffer and its ``balance_experiences``
+  (``--train.dynamic_batch_enable``) rebuild each Experience from its dataclass fields, so ``trainer/carried.py``
+  re-attaches the attribute after them (as it does the kept counts).
 - **Forwards**: :func:`applied` wraps the policy's forward (π_prox, every forward-based prox mode) and the
   reference model's (π_ref); :func:`replayed_step` wraps upstream's whole ``training_step`` (π_θ), so the
   backward, and a gradient-checkpointing recompute inside it, sees the same routes.
@@ -27,21 +31,18 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from openrlhf_ess.models import routing_replay as seam
+from openrlhf_ess.trainer import carried
 
 FLAG = seam.FLAG
-SENTINEL_U8 = 255
-SENTINEL_I16 = -1
-
-
-def sentinel(dtype: torch.dtype) -> int:
-    """The "no route recorded" id of a route dtype (uint8: 255, int16: −1)."""
-    return SENTINEL_U8 if dtype == torch.uint8 else SENTINEL_I16
+SENTINEL_U8 = seam.SENTINEL_U8
+SENTINEL_I16 = seam.SENTINEL_I16
+sentinel = seam.sentinel  # the "no route recorded" id of a route dtype (uint8: 255, int16: −1)
 
 
 def routes_to_tensor(routes) -> torch.Tensor:
@@ -78,51 +79,65 @@ def observation_routes(routes, n_tokens: int, truncate_length: int) -> torch.Ten
     return out.unsqueeze(0)
 
 
+def agent_routes(observation: Sequence[int], calls: Sequence[Tuple[Sequence[int], Sequence[int], Any]]) -> np.ndarray:
+    """The routes [n − 1, L, k] of a sample built from several engine requests (an agent's turns), n =
+    len(observation), in vLLM's row layout (row i: the route of token i), ready for :func:`observation_routes`.
+
+    ``calls``: per request, in order, (prompt ids P_c, output ids G_c, its ``routed_experts`` [|P_c| + |G_c| − 1,
+    L, k]). Each request's prompt + output must be a prefix of the observation (upstream's agent executor
+    appends action and environment feedback to the observation it sends next); a request that is not is a
+    token edit the routes cannot follow, and raises. Row rule, one route per position for the trainer's single
+    forward:
+
+    - position i with |P_c| − 1 ≤ i < |P_c| + |G_c| − 1 scores request c's own sampled token i + 1: it takes c's
+      row, the route of the forward that produced that token's μ;
+    - every other position (prompt, environment feedback) takes the row of the latest request that forwarded
+      it (vLLM returns cached prefix blocks' rows as they were stored, so that is the route the engine used);
+    - positions no request forwarded (feedback after the last turn) get :func:`sentinel` (they score nothing).
+    """
+    n = len(observation)
+    rows = [routes_to_tensor(routes) for _, _, routes in calls]
+    if not rows:
+        raise RuntimeError(f"{FLAG}: a sample with no engine request has no routes")
+    out = torch.full((max(n - 1, 0), *rows[0].shape[1:]), sentinel(rows[0].dtype), dtype=rows[0].dtype)
+    for (prompt, output, _), row in zip(calls, rows):
+        covered = len(prompt) + len(output)
+        if row.shape[0] != covered - 1 or list(observation[:covered]) != list(prompt) + list(output):
+            raise RuntimeError(
+                f"{FLAG}: an agent turn's request (prompt {len(prompt)} + output {len(output)} tokens, routes for "
+                f"{row.shape[0]}) is not a prefix of the sample's {n} tokens, so its routes cannot be placed: the "
+                "agent must send the observation so far, unedited, as each turn's prompt (as upstream's executor "
+                "does)."
+            )
+        if row.dtype != out.dtype:
+            raise RuntimeError(f"{FLAG}: an agent's turns returned routes of dtypes {out.dtype} and {row.dtype}")
+        out[: row.shape[0]] = row
+    for (prompt, _, _), row in zip(calls, rows):
+        start = max(len(prompt) - 1, 0)
+        out[start : row.shape[0]] = row[start:]
+    return out.numpy()
+
+
+def stream_routes(routes: Sequence[Any], lengths: Sequence[int], width: int) -> torch.Tensor:
+    """[B, width, L, k] routes of token streams scored at a weight sync (``prox.stream_log_probs``): stream b of
+    ``lengths[b]`` tokens has ``routes[b]`` of at least lengths[b] − 1 rows (vLLM's layout); the stream's tokens
+    get them at columns 0..lengths[b] − 2, the last token and the padding the sentinel."""
+    rows = []
+    for row, length in zip(routes, lengths):
+        row = routes_to_tensor(row)
+        if row.shape[0] < length - 1:
+            raise RuntimeError(
+                f"{FLAG}: a stream of {length} tokens scored at a weight sync has routes for {row.shape[0]} of them; "
+                "this is a bug, please report it."
+            )
+        rows.append(observation_routes(row[: length - 1], length, length)[0])
+    return pad_routes(rows, width)
+
+
 def pad_routes(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     """[B, width, L, k]: each sample's routes [S_i, L, k] at columns 0..S_i − 1 (right padding, as upstream pads
-    ``sequences``), the sentinel after; rows longer than ``width`` are cut."""
-    first = rows[0]
-    out = torch.full((len(rows), width, *first.shape[1:]), sentinel(first.dtype), dtype=first.dtype)
-    for b, row in enumerate(rows):
-        n = min(row.shape[0], width)
-        out[b, :n] = row[:n]
-    return out
-
-
-def adopt_replay_buffer(buffer):
-    """Make upstream's replay buffer (this instance) keep ``rollout_routes``: [S, L, k] per item, [B, S, L, k] per
-    batch. Same mechanism as ``sampling_mask.adopt_replay_buffer``: on ``append`` row i goes to the i-th new item,
-    cut to its sequence (upstream cuts right padding off the step fields); on ``collate_fn`` the rows are padded
-    with the sentinel to the batch's sequence width. Composes with the kept counts' wrapper."""
-    append, collate = buffer.append, buffer.collate_fn
-
-    def append_keeping(experience) -> None:
-        routes = getattr(experience, "rollout_routes", None)
-        append(experience)
-        if routes is None:
-            return
-        new = buffer.items[len(buffer.items) - min(len(routes), len(buffer.items)) :]
-        for item, row in zip(new, routes[len(routes) - len(new) :]):
-            item.rollout_routes = row[: item.sequences.shape[-1]].clone()
-
-    def collate_keeping(batch):
-        experience = collate(batch)
-        items = batch[0] if buffer.dynamic_batch else batch
-        experience.rollout_routes = batched_routes(items, experience.sequences.shape[-1])
-        return experience
-
-    buffer.append, buffer.collate_fn = append_keeping, collate_keeping
-    return buffer
-
-
-def batched_routes(items, width: int) -> Optional[torch.Tensor]:
-    """[B, width, L, k] routes of replay-buffer items (None if none has them)."""
-    rows = [getattr(item, "rollout_routes", None) for item in items]
-    if any(r is None for r in rows):
-        if all(r is None for r in rows):
-            return None
-        raise RuntimeError(f"{FLAG}: a replay-buffer batch mixes samples with and without routes")
-    return pad_routes(rows, width)
+    ``sequences``), the sentinel after; rows longer than ``width`` are cut (``carried.pad_routes``)."""
+    return carried.pad_routes(rows, width)
 
 
 def hf_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -144,13 +159,39 @@ def missing_routes_error(where: str) -> RuntimeError:
     )
 
 
+def packs(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an OpenRLHF ``Actor`` built with ``--ds.packing_samples`` (forced on by
+    ``--train.dynamic_batch_enable``): its forward unpads the batch to (1, Σ lengths) before the HF model."""
+    return bool(getattr(model, "packing_samples", False))
+
+
+def pack(per_token: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S, ...] → [1, N, ...]: the rows of the attention mask's nonzero positions, row-major, N = Σ lengths.
+
+    The layout upstream's packed ``Actor.forward`` gives the HF model (``ring_attn_utils.unpad_and_slice_tensor``:
+    flash-attn's ``unpad_input`` keeps ``attention_mask.flatten().nonzero()``, in that order)."""
+    keep = attention_mask.to(per_token.device).reshape(-1).nonzero().squeeze(-1)
+    return per_token.reshape(-1, *per_token.shape[2:])[keep].unsqueeze(0)
+
+
 @contextlib.contextmanager
-def applied(model: torch.nn.Module, routes: Optional[torch.Tensor], own: Optional[seam.RouteRecord] = None):
+def applied(
+    model: torch.nn.Module,
+    routes: Optional[torch.Tensor],
+    own: Optional[seam.RouteRecord] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+):
     """Forwards of ``model`` (an OpenRLHF Actor, a DeepSpeed engine or the HF model) inside the block replay
-    ``routes`` [B, S, L, k]; without routes nothing is installed (upstream's forward)."""
+    ``routes`` [B, S, L, k]; without routes nothing is installed (upstream's forward). A packing ``Actor``
+    (:func:`packs`) feeds its HF model the unpadded tokens: the routes are packed the same way with
+    ``attention_mask`` (B, S), which it then needs."""
     if routes is None:
         yield
         return
+    if packs(model):
+        if attention_mask is None:
+            raise RuntimeError(f"{FLAG}: a packed forward needs the attention mask to pack the routes; this is a bug")
+        routes = pack(routes, attention_mask)
     module = hf_model(model)
     device = next(module.parameters()).device
     with seam.replay_routes(module, routes.to(device), own):
@@ -182,16 +223,23 @@ class ReplayStats:
 
 
 def replay_stats(
-    engine_moe: torch.Tensor, own: torch.Tensor, action_mask: torch.Tensor, num_experts: int
+    engine_moe: torch.Tensor,
+    own: torch.Tensor,
+    action_mask: torch.Tensor,
+    num_experts: int,
+    attention_mask: Optional[torch.Tensor] = None,
 ) -> ReplayStats:
-    """``engine_moe`` [B, S, L_moe, k] the replayed routes (MoE layers only), ``own`` [B, S, L_moe, k] the
-    trainer's own top-k in the same forward, ``action_mask`` (B, S − 1).
+    """``engine_moe`` [B, S, L_moe, k] the replayed routes (MoE layers only), ``own`` the trainer's own top-k in
+    the same forward ([B, S, L_moe, k], or [1, N, L_moe, k] from a packed forward, which ``attention_mask`` (B, S)
+    then packs ``engine_moe`` and the positions to), ``action_mask`` (B, S − 1).
 
         replayed_frac = Σ_j m_j · r_j / Σ_j m_j,   disagree_frac = seam.disagree_frac over m_j · r_j
 
     m_j: position j scores a response token (:func:`scoring_positions`); r_j: it has an engine route."""
     engine_moe = engine_moe.to(own.device)
     mask = scoring_positions(action_mask.to(own.device), engine_moe.shape[1])
+    if attention_mask is not None:
+        engine_moe, mask = pack(engine_moe, attention_mask), pack(mask, attention_mask)
     replayed = mask & has_route(engine_moe, num_experts)
     tokens = mask.sum()
     return ReplayStats(
@@ -213,10 +261,12 @@ def replayed_step(actor: torch.nn.Module, experience) -> Iterator[List[ReplaySta
     layers = seam.moe_layers(module)
     own = seam.RouteRecord(len(layers))
     out: List[ReplayStats] = []
-    with applied(module, routes, own):
+    attention_mask = experience.attention_mask
+    with applied(actor, routes, own, attention_mask):
         yield out
     engine_moe = routes[:, :, seam.moe_columns(module, routes)]
-    out.append(replay_stats(engine_moe, own.routes, experience.action_mask, layers[0].num_experts))
+    packed = attention_mask if packs(actor) else None
+    out.append(replay_stats(engine_moe, own.routes, experience.action_mask, layers[0].num_experts, packed))
 
 
 def add_metrics(status: dict, stats: ReplayStats) -> None:
@@ -248,4 +298,27 @@ def check_routes_contract(shape, num_layers: int, top_k: int, rows: Optional[int
             f"start-up self-check failed (engine contract, {FLAG}): the engine's routed_experts have shape "
             f"{list(shape)}, expected {expected} (tokens forwarded, num_hidden_layers, num_experts_per_tok of "
             f"the model config). {fix}"
+        )
+
+
+def check_inflight_routes_contract(mid_rows: Optional[int], needed: int, prefix_equal: bool) -> None:
+    """Raise ``vllm_engine.EngineContractError`` unless a request's routes read while it was still generating
+    (``vllm_engine.inflight_routes``: what a weight sync scores in --algo.prox_mode interrupt/dedicated) had at
+    least ``needed`` rows (prompt + tokens streamed so far − 1) and equal the first rows of its final routes."""
+    from openrlhf_ess.trainer.ray.vllm_engine import EngineContractError
+
+    fix = (
+        "Fix: use the pinned vLLM (0.29 on GPU: its output processor accumulates each request's routed_experts per "
+        "step, which the engine reads at a sync), or use --algo.prox_mode snapshot (exact, no scoring at the sync), "
+        "or drop --algo.routing_replay."
+    )
+    if mid_rows is None or mid_rows < needed:
+        raise EngineContractError(
+            f"start-up self-check failed (engine contract, {FLAG} with scoring at a weight sync): a request's routes "
+            f"read mid-generation had {mid_rows} rows, expected >= {needed} (prompt + tokens so far - 1). {fix}"
+        )
+    if not prefix_equal:
+        raise EngineContractError(
+            f"start-up self-check failed (engine contract, {FLAG} with scoring at a weight sync): a request's routes "
+            f"read mid-generation differ from the first {mid_rows} rows of its final routes. {fix}"
         )

@@ -13,8 +13,9 @@ The maths is in ``models/sampling_mask.py`` (docs/sampling_mask.md); this module
   and π_ref (the reference model's forward) are all computed on that support. Streams scored at a weight sync
   (interrupt, dedicated) go through ``prox.stream_log_probs`` with the counts instead.
 - **Carrying**: the engine's counts ride as ``rollout_kept_counts`` (B, A) next to ``rollout_versions``
-  (samples generator → experience maker → actors). Upstream's replay buffer rebuilds each Experience from its
-  dataclass fields, so :class:`KeptCountsReplayBuffer` carries the attribute through its split and collate.
+  (samples generator → experience maker → actors). Upstream's replay buffer and its ``balance_experiences``
+  (``--train.dynamic_batch_enable``) rebuild each Experience from its dataclass fields, so ``trainer/carried.py``
+  re-attaches the attribute after them.
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from openrlhf_ess import cpu_compat
 cpu_compat.apply()
 
 import torch  # noqa: E402
-from openrlhf.trainer.ppo_utils.experience import Experience  # noqa: E402
-from openrlhf.utils.utils import zero_pad_sequences  # noqa: E402
 
 from openrlhf_ess import upstream  # noqa: E402
 from openrlhf_ess.models import sampling_mask as maths  # noqa: E402
@@ -151,47 +150,3 @@ def install(actor) -> None:
         return
     actor.forward = types.MethodType(upstream.actor_forward_with_log_probs(log_probs_from_logits), actor)
     actor._openrlhf_ess_sampling_mask = True
-
-
-def adopt_replay_buffer(buffer):
-    """Make upstream's replay buffer (this instance) keep ``rollout_kept_counts``: (A,) per item, (B, A) per batch.
-
-    Upstream's ``split_experience_batch`` / ``make_experience_batch`` rebuild Experiences from the dataclass
-    fields only, so the attribute is re-attached after each: on ``append``, row i goes to the i-th new item
-    (cut to its action mask, as upstream cuts the step fields); on ``collate_fn`` the rows are right-padded
-    with NOT_TRUNCATED like the action mask. (Upstream's ``sample()`` is not used by its trainers, which read
-    the buffer through a DataLoader with ``collate_fn``; its batches would lack the counts, which the training
-    step refuses.) Instance attributes: upstream's class is not touched.
-    """
-    append, collate = buffer.append, buffer.collate_fn
-
-    def append_keeping(experience: Experience) -> None:
-        kept = getattr(experience, "rollout_kept_counts", None)
-        append(experience)
-        if kept is None:
-            return
-        new = buffer.items[len(buffer.items) - min(len(kept), len(buffer.items)) :]
-        for item, row in zip(new, kept[len(kept) - len(new) :]):
-            item.rollout_kept_counts = row[: item.action_mask.shape[-1]].clone()
-
-    def collate_keeping(batch) -> Experience:
-        experience = collate(batch)
-        items = batch[0] if buffer.dynamic_batch else batch
-        experience.rollout_kept_counts = batched_kept(items, experience.action_mask.shape[-1])
-        return experience
-
-    buffer.append, buffer.collate_fn = append_keeping, collate_keeping
-    return buffer
-
-
-def batched_kept(items, width: int) -> Optional[torch.Tensor]:
-    """(B, width) kept counts of replay-buffer items, right-padded with NOT_TRUNCATED (None if none has them)."""
-    rows = [getattr(item, "rollout_kept_counts", None) for item in items]
-    if any(r is None for r in rows):
-        if all(r is None for r in rows):
-            return None
-        raise RuntimeError("sampling mask: a replay-buffer batch mixes samples with and without kept counts")
-    padded = zero_pad_sequences(rows, side="right", value=NOT_TRUNCATED, stack=True)
-    if padded.shape[-1] < width:
-        padded = torch.nn.functional.pad(padded, (0, width - padded.shape[-1]), value=NOT_TRUNCATED)
-    return padded[:, :width]

@@ -106,22 +106,10 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
         if versions is not None:
             experience.rollout_versions = torch.tensor(versions[1:truncate_length], dtype=torch.long).unsqueeze(0)
         if config.sampling_mask_on(self.args):
-            kept = response.get("rollout_kept_counts")
-            if kept is None:
-                raise RuntimeError(
-                    "--algo.sampling_mask keep: a response came back without kept counts from the engine, so the "
-                    "support its tokens were sampled from is unknown. An agent (--train.agent_func_path) must "
-                    "generate through the llm_engine it is given; otherwise this is a bug, please report it."
-                )
+            kept = _from_engine(response, "rollout_kept_counts", "--algo.sampling_mask keep", "kept counts")
             experience.rollout_kept_counts = torch.tensor(kept[1:truncate_length], dtype=torch.long).unsqueeze(0)
         if config.routing_replay_on(self.args):
-            routes = response.get("rollout_routes")
-            if routes is None:
-                raise RuntimeError(
-                    "--algo.routing_replay: a response came back without the engine's routes (routed_experts), so "
-                    "the trainer cannot replay its experts; the engine's start-up self-check proves it returns them, "
-                    "so this is a bug, please report it."
-                )
+            routes = _from_engine(response, "rollout_routes", "--algo.routing_replay", "routes (routed_experts)")
             n_tokens = len(response["observation_tokens"])
             experience.rollout_routes = routing_replay.observation_routes(routes, n_tokens, truncate_length)
         mu = experience.rollout_log_probs
@@ -139,6 +127,18 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
                 experience.action_mask = torch.zeros_like(experience.action_mask)
             experience.info["rollout_logprob_nonfinite"] = torch.tensor([float(nonfinite)])
         return experience
+
+
+def _from_engine(response: dict, key: str, flag: str, what: str):
+    """``response[key]``, which the engine attaches to every response while ``flag`` is on; raise if missing."""
+    value = response.get(key)
+    if value is None:
+        raise RuntimeError(
+            f"{flag}: a response came back without the engine's {what}, so the trainer cannot score its tokens as "
+            "the engine sampled them. An agent (--train.agent_func_path) must generate through the llm_engine it is "
+            "given, with the sampling params it is given; otherwise this is a bug, please report it."
+        )
+    return value
 
 
 def check_not_all_dropped(rollout_samples) -> None:

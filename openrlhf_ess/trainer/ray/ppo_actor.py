@@ -24,7 +24,7 @@ from openrlhf.trainer.ray import ppo_actor as _upstream  # noqa: E402
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
-from openrlhf_ess.trainer import ess_lr, kl_k2, routing_replay, sampling_mask, saving  # noqa: E402
+from openrlhf_ess.trainer import carried, ess_lr, kl_k2, routing_replay, sampling_mask, saving  # noqa: E402
 from openrlhf_ess.trainer.prox_sources import ProxSources  # noqa: E402
 from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
 
@@ -47,11 +47,11 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         self.stop_ids = None  # --algo.sampling_mask keep: the engine's stop tokens (banned at min_tokens positions)
         if config.sampling_mask_on(self.args):
             sampling_mask.install(self.actor)
-            sampling_mask.adopt_replay_buffer(self.replay_buffer)
             self.stop_ids = sampling_mask.stop_token_ids(self.args.actor.model_name_or_path)
         self.routing_replay = config.routing_replay_on(self.args)
-        if self.routing_replay:
-            routing_replay.adopt_replay_buffer(self.replay_buffer)
+        if config.sampling_mask_on(self.args) or self.routing_replay:
+            # the kept counts / routes ride as Experience attributes, which upstream's buffer would drop
+            carried.adopt_replay_buffer(self.replay_buffer)
         self.lr_scale_hook = None
         if algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
@@ -137,8 +137,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     def proximal_log_probs(self, current: torch.Tensor, versions: torch.Tensor, forward) -> torch.Tensor:
         return self.prox.log_probs(current, versions, forward, self.weight_version)
 
-    def score_streams(self, version: int, streams, kept=None) -> list:
-        return self.prox.score_streams(version, streams, kept, self.stop_ids or ())
+    def score_streams(self, version: int, streams, kept=None, routes=None) -> list:
+        return self.prox.score_streams(version, streams, kept, self.stop_ids or (), routes)
 
     def prox_metrics(self) -> dict:
         return self.prox.metrics()
@@ -238,10 +238,10 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
             fault=lambda: saving.injected_fault(upstream.unwrap_model(strategy, model)),
         )
 
-    def score_streams(self, version: int, streams, kept=None) -> list:
+    def score_streams(self, version: int, streams, kept=None, routes=None) -> list:
         """interrupt mode: π_version of token streams (see ActorPPOTrainer.score_streams); ``kept``: their
-        kept counts (--algo.sampling_mask keep)."""
-        return self.trainer.score_streams(version, streams, kept)
+        kept counts (--algo.sampling_mask keep); ``routes``: the engine's expert ids (--algo.routing_replay)."""
+        return self.trainer.score_streams(version, streams, kept, routes)
 
     def weights_blob(self):
         """dedicated mode: the weights for the old-log-prob model (rank 0; every rank must call)."""
@@ -264,7 +264,7 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
         if rollout_routes is None and self.trainer.routing_replay:
             raise routing_replay.missing_routes_error("an old-log-prob forward")
         with (
-            routing_replay.applied(self.actor, rollout_routes),
+            routing_replay.applied(self.actor, rollout_routes, attention_mask=attention_mask),
             sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.trainer.stop_ids),
         ):
             current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)

@@ -54,16 +54,23 @@ class ProxScorerImpl:
     def ready(self) -> int:
         return self.version
 
-    def score(self, version: int, streams: List[List[int]], kept=None) -> List[torch.Tensor]:
-        """log π_version(s_t | s_<t) per stream (over each token's kept support when ``kept`` is given, as
-        ``prox.stream_log_probs``); refuses to score a version it does not hold."""
+    def score(self, version: int, streams: List[List[int]], kept=None, routes=None) -> List[torch.Tensor]:
+        """log π_version(s_t | s_<t) per stream (over each token's kept support when ``kept`` is given, with the
+        engine's experts when ``routes`` are: as ``prox.stream_log_probs``); refuses to score a version it does not
+        hold."""
         if version != self.version:
             raise RuntimeError(
                 f"dedicated old-log-prob model holds version {self.version}, asked to score version {version}: "
                 "a weight sync reached it out of order."
             )
         return prox.stream_log_probs(
-            self.model, streams, self.temperature, kept=kept, stop_ids=self.stop_ids, memory_mb=self.memory_mb
+            self.model,
+            streams,
+            self.temperature,
+            kept=kept,
+            stop_ids=self.stop_ids,
+            memory_mb=self.memory_mb,
+            routes=routes,
         )
 
     def load_weights(self, version: int, blob: bytes) -> float:

@@ -40,7 +40,7 @@ class ReferenceModelActorImpl(upstream.reference_actor_class()):
         """Extends upstream's: with ``rollout_kept_counts``, log π_ref over each token's kept support; with
         ``rollout_routes`` (--algo.routing_replay), π_ref's MoE layers use the engine's experts."""
         with (
-            routing_replay.applied(self.model, rollout_routes),
+            routing_replay.applied(self.model, rollout_routes, attention_mask=attention_mask),
             sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.stop_ids),
         ):
             return super().forward(

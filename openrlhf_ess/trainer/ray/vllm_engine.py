@@ -12,7 +12,7 @@ import copy
 import functools
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from openrlhf_ess import cpu_compat
 
@@ -30,9 +30,18 @@ NO_VERSION = -1  # version tag of tokens the engine did not sample (prompt, envi
 
 logger = logging.getLogger(__name__)
 
-# Per engine.generate() call made by one executor.execute() call: (versions, kept counts) of its tokens.
-# per generate() call: (token versions, kept counts, routed_experts or None)
-_GENERATE_CALLS: contextvars.ContextVar[Optional[List[Tuple[List[int], List[int], Any]]]] = contextvars.ContextVar(
+
+class _Call(NamedTuple):
+    """One engine.generate() call made by an executor.execute() call."""
+
+    versions: List[int]  # the weight version that sampled each output token
+    kept: List[int]  # --algo.sampling_mask: each output token's kept count k_t (else empty)
+    routes: Any  # --algo.routing_replay: the final output's routed_experts [P + G - 1, L, k] (else None)
+    prompt: Sequence[int]  # prompt token ids (kept with --algo.routing_replay, to place the routes)
+    tokens: Sequence[int]  # output token ids (idem)
+
+
+_GENERATE_CALLS: contextvars.ContextVar[Optional[List[_Call]]] = contextvars.ContextVar(
     "openrlhf_ess_generate_calls", default=None
 )
 
@@ -85,6 +94,30 @@ def kept_counts(tokens: Sequence[int], logprobs, n_tokens: int, min_tokens: int)
         -lp[token].rank if i < min_tokens else lp[token].rank
         for i, (token, lp) in enumerate(zip(tokens[:n_tokens], logprobs[:n_tokens]))
     ]
+
+
+def inflight_routes(llm, request_id: str):
+    """The routed_experts of a request still generating, as vLLM has accumulated them so far: [P + g' - 1, L, k]
+    for g' >= the tokens streamed to the caller (``--algo.routing_replay`` with scoring at a weight sync), or None.
+
+    vLLM >= 0.29 returns routes only on a request's final output, but its ``OutputProcessor`` (in this process,
+    the AsyncLLM front end) appends each engine step's rows to the request's state as they arrive
+    (``RequestState.routed_experts_chunks``: the prompt's rows when its prefill completes, then one row per
+    decoded token) and concatenates them at the end (v1/engine/output_processor.py, 0.29 and 0.31). This reads
+    those chunks for the request the caller named ``request_id`` (vLLM keys its state by an internal id:
+    ``external_req_ids`` maps one to the other). Proved on the user's engine at start-up
+    (``_check_routes_contract``)."""
+    import numpy as np
+
+    processor = llm.output_processor
+    internal = [i for i in processor.external_req_ids.get(request_id, []) if i in processor.request_states]
+    if len(internal) != 1:
+        raise RuntimeError(
+            f"--algo.routing_replay: vLLM holds {len(internal)} states for request {request_id!r} (expected 1: one "
+            "completion per request, n=1, as OpenRLHF sends)."
+        )
+    chunks = processor.request_states[internal[0]].routed_experts_chunks
+    return np.concatenate(chunks, axis=0) if chunks else None
 
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -181,22 +214,29 @@ class _VersionTaggingExecutor:
         return getattr(self._inner, name)
 
     async def execute(self, *args, **kwargs):
-        calls: List[Tuple[List[int], List[int], Any]] = []
+        calls: List[_Call] = []
         token = _GENERATE_CALLS.set(calls)
         try:
             response = await self._inner.execute(*args, **kwargs)
         finally:
             _GENERATE_CALLS.reset(token)
         n, ranges = len(response["observation_tokens"]), response["action_ranges"]
-        response["rollout_versions"] = versions_for_observation(n, ranges, [c[0] for c in calls])
+        response["rollout_versions"] = versions_for_observation(n, ranges, [c.versions for c in calls])
         if self._kept_counts:
             response["rollout_kept_counts"] = align_to_observation(
-                n, ranges, [c[1] for c in calls], NOT_TRUNCATED, "kept counts"
+                n, ranges, [c.kept for c in calls], NOT_TRUNCATED, "kept counts"
             )
         if self._routes:
-            # --algo.routing_replay: the single-turn executor makes one call whose request is the whole
-            # observation (the agent path is rejected in config.py); None is refused by the samples generator
-            response["rollout_routes"] = calls[0][2] if len(calls) == 1 else None
+            # --algo.routing_replay: one call (single turn) or one per agent turn, each a prefix of the observation
+            # (routing_replay.agent_routes); a call without routes leaves None, refused by the samples generator
+            from openrlhf_ess.trainer.routing_replay import agent_routes
+
+            if calls and all(c.routes is not None for c in calls):
+                response["rollout_routes"] = agent_routes(
+                    response["observation_tokens"], [(c.prompt, c.tokens, c.routes) for c in calls]
+                )
+            else:
+                response["rollout_routes"] = None
         return response
 
 
@@ -279,7 +319,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
     def _tracking_stream(self, generate):
         """Wrap AsyncLLM.generate: count streamed tokens per request and record their versions."""
 
-        keep_tokens = self.report_outgoing or self.report_kept_counts
+        keep_tokens = self.report_outgoing or self.report_kept_counts or self.report_routes
 
         async def tracked(prompt, sampling_params, request_id, *args, **kwargs):
             min_tokens = getattr(sampling_params, "min_tokens", 0) or 0
@@ -315,7 +355,9 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             if calls is not None:
                 n = progress.streamed
                 kept = progress.kept_counts(n) if self.report_kept_counts else []
-                calls.append((progress.token_versions(n), kept, progress.routes))
+                calls.append(
+                    _Call(progress.token_versions(n), kept, progress.routes, progress.prompt, progress.tokens[:n])
+                )
 
         return tracked
 
@@ -345,19 +387,24 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         """Start-up self-check of --algo.routing_replay, on the user's engine: one 4-token request after a 3-token
         prompt must return ``routed_experts`` [3 + 4 - 1, num_hidden_layers, num_experts_per_tok]
         (``routing_replay.check_routes_contract``). An engine that ignores enable_return_routed_experts, or
-        returns another layout, would otherwise have the trainer replay nothing or the wrong rows."""
+        returns another layout, would otherwise have the trainer replay nothing or the wrong rows. With scoring
+        at a weight sync (``report_outgoing``) the request is 32 tokens and its routes are also read at its first
+        streamed output (:func:`inflight_routes`), which must cover the tokens so far and equal the final rows."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.utils import random_uuid
 
-        from openrlhf_ess.trainer.routing_replay import check_routes_contract
+        from openrlhf_ess.trainer.routing_replay import check_inflight_routes_contract, check_routes_contract
 
-        prompt, max_tokens = [1, 2, 3], 4
+        # scoring at a sync reads routes mid-generation: a longer request, read at its first streamed output
+        prompt, max_tokens = [1, 2, 3], (32 if self.report_outgoing else 4)
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
-        final = None
+        final, mid, needed, request_id = None, None, 0, random_uuid()
         async for output in self._untracked_generate(
-            TokensPrompt(prompt_token_ids=prompt), params, request_id=random_uuid()
+            TokensPrompt(prompt_token_ids=prompt), params, request_id=request_id
         ):
+            if self.report_outgoing and needed == 0 and not output.finished:
+                mid, needed = inflight_routes(self.llm, request_id), len(prompt) + len(output.outputs[0].token_ids) - 1
             final = output
         routes = getattr(final.outputs[0], "routed_experts", None)
         model_config = self.llm.model_config
@@ -366,10 +413,19 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         check_routes_contract(
             None if routes is None else routes.shape, hf.num_hidden_layers, hf.num_experts_per_tok, rows
         )
-        print(
-            f"start-up self-check passed: --algo.routing_replay: routed_experts {list(routes.shape)} {routes.dtype}",
-            flush=True,
-        )
+        line = f"routed_experts {list(routes.shape)} {routes.dtype}"
+        if self.report_outgoing:
+            if needed == 0:
+                raise EngineContractError(
+                    "start-up self-check failed (engine contract, --algo.routing_replay with scoring at a weight "
+                    f"sync): a {max_tokens}-token request streamed no output before it finished, so the "
+                    "mid-generation route read could not be checked (and partial rollouts' token tracking relies on "
+                    "streamed outputs). Fix: use the pinned vLLM, or --algo.prox_mode snapshot."
+                )
+            same = mid is not None and bool((routes[: len(mid)] == mid).all())
+            check_inflight_routes_contract(None if mid is None else len(mid), needed, same)
+            line += f"; read mid-generation: {len(mid)} rows after {needed + 1} tokens, equal to the final rows"
+        print(f"start-up self-check passed: --algo.routing_replay: {line}", flush=True)
 
     async def contract_sample(self, token_ids: List[int], temperature, top_p, top_k, max_tokens) -> Dict[str, Any]:
         """The start-up self-check's generation (``weight_sync.py::startup_canary``): ``max_tokens`` tokens after
@@ -434,11 +490,14 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         Called by the trainer at a weight sync while generation is paused (partial rollouts) or idle:
         in-flight requests (their output so far) and requests finished since the last call. Each is
         ``{"stream": prompt + output token ids, "versions": per stream token (prompt: NO_VERSION),
-        "finished": bool}`` (and ``"kept"``, k_t per stream token, prompt 0, with ``report_kept_counts``).
+        "finished": bool}`` (and ``"kept"``, k_t per stream token, prompt 0, with ``report_kept_counts``; and
+        ``"routes"``, the engine's routed_experts of the stream's tokens but the last [len(stream) - 1, L, k], with
+        ``report_routes``: read mid-generation for in-flight requests, :func:`inflight_routes`).
         Finished requests are reported once.
         """
         out = []
-        for progress, finished in [(p, False) for p in self._inflight.values()] + [(p, True) for p in self._finished]:
+        entries = [(p, False, rid) for rid, p in self._inflight.items()] + [(p, True, None) for p in self._finished]
+        for progress, finished, request_id in entries:
             n = progress.streamed
             versions = progress.token_versions(n)
             if self.weight_version not in versions:
@@ -451,6 +510,16 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             }
             if self.report_kept_counts:
                 report["kept"] = [NOT_TRUNCATED] * len(prompt) + progress.kept_counts(n)
+            if self.report_routes:
+                routes = progress.routes if finished else inflight_routes(self.llm, request_id)
+                rows = len(report["stream"]) - 1
+                if routes is None or len(routes) < rows:
+                    raise RuntimeError(
+                        f"--algo.routing_replay: a stream of {rows + 1} tokens to score at this weight sync has "
+                        f"{'no' if routes is None else len(routes)} rows of routes from the engine (the start-up "
+                        "self-check proved the mid-generation read); this is a bug, please report it."
+                    )
+                report["routes"] = routes[:rows]
             out.append(report)
         self._finished = []
         return out
