@@ -18,7 +18,10 @@
 7. the memory self-check (``memory_needs`` / ``check_memory``) on a stated 7B case against the arithmetic, with
    this GPU's ``torch.cuda.mem_get_info``;
 8. the sampling mask's log-probs and backward (``apply_to_log_probs``, ``masked_log_probs``) and chunked scoring
-   (``prox.stream_log_probs``) at V = 151,936: float64 references, and peak device memory against stated bounds.
+   (``prox.stream_log_probs``) at V = 151,936: float64 references, and peak device memory against stated bounds;
+9. MoE routing replay's seam with the device's MoE kernels in bf16: a model's own routes replayed are
+   bit-identical, other routes change the logits, the router keeps a gradient; and the hook's cost on one
+   Qwen3-30B-A3B decoder layer (a number, not a bound).
 
 Each check runs in its own subprocess (one process group each; a crash or a hang costs that check only) under
 an overall time budget. The report is printed at the end and written as JSON to ``$OUT/gpu_check.json`` (else
@@ -63,6 +66,7 @@ WORKERS = {
     "6": ("6", 180),
     "7": ("7", 120),
     "8": ("8", 300),
+    "9": ("9", 240),
 }
 SLACK_BYTES = 256 << 10  # reduction outputs and allocator rounding on top of a memory bound
 FORCED_MULTI_RANK = (
@@ -1798,6 +1802,92 @@ def worker_mask_scoring(rec: Recorder, args) -> None:
         )
 
 
+# ---- 9. MoE routing replay on the device ---------------------------------------------------------------------
+
+
+def worker_routing_replay(rec: Recorder, args) -> None:
+    """--algo.routing_replay's seam (``models/routing_replay.py``) with the device's own MoE kernels and dtype."""
+    import torch
+
+    from openrlhf_ess.models import routing_replay as seam
+    from openrlhf_ess.tiny.world_moe import FAMILIES, build_moe_model
+
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        torch.cuda.set_device(0)
+    with rec.check("9.replay_bitexact", "replaying a MoE model's own routes reproduces its forward bit for bit") as e:
+        e["notes"].append(
+            f"the tiny {', '.join(FAMILIES)} models of openrlhf_ess/tiny/world_moe.py, {dtype} on {device}: the "
+            "routes the model chose itself, replayed, must give identical logits (the family's own gate rule with "
+            "top-k replaced by a lookup); routes shifted by one expert must change them; the router must get a "
+            "finite, nonzero gradient through the replayed gate weights"
+        )
+        for family in FAMILIES:
+            with tempfile.TemporaryDirectory() as tmp:
+                model, _ = build_moe_model(tmp, family=family, seed=0)
+            model = model.to(device=device, dtype=dtype)
+            ids = torch.randint(4, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+            ids = ids.to(device)
+            with torch.no_grad(), seam.record_routes(model) as rec_own:
+                plain = model(input_ids=ids).logits
+            own = rec_own.routes.to(torch.uint8)
+            with torch.no_grad(), seam.replay_routes(model, own):
+                replayed = model(input_ids=ids).logits
+            shifted = ((own.long() + 1) % model.config.num_experts).to(torch.uint8)
+            with torch.no_grad(), seam.replay_routes(model, shifted):
+                other = model(input_ids=ids).logits
+            model.zero_grad(set_to_none=True)
+            with seam.replay_routes(model, shifted):
+                model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+            grads = [p.grad for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+            diff = (replayed.float() - plain.float()).abs().max().item()
+            moved = (other.float() - plain.float()).abs().max().item()
+            e["numbers"][f"{family}_own_max_diff"] = diff
+            e["numbers"][f"{family}_shifted_max_diff"] = moved
+            expect(e, torch.equal(replayed, plain), f"{family}: own routes replayed changed the logits by {diff:.2e}")
+            expect(e, moved > 0, f"{family}: shifted routes left the logits unchanged (replay not applied?)")
+            expect(
+                e,
+                bool(grads)
+                and all(g is not None and bool(torch.isfinite(g).all()) and g.abs().sum() > 0 for g in grads),
+                f"{family}: a router got no finite nonzero gradient under replay",
+            )
+        e["summary"] = f"{', '.join(FAMILIES)}: own routes bit-identical, shifted routes change the logits"
+
+    with rec.check("9.replay_cost", "the replay hook's share of a decoder layer's forward + backward") as e:
+        from benchmarks import routing_replay as bench
+
+        sizes = dict(bench.QWEN3_30B_A3B)
+        tokens = 2048 if cuda else 32
+        if not cuda:  # the host's copy of Qwen3-30B-A3B's layer (2.4 GB fp32) would be most of this check's time
+            sizes.update(num_experts=16, moe_intermediate_size=128, intermediate_size=512)
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        torch.manual_seed(0)
+        config = Qwen3MoeConfig(**sizes)
+        config._attn_implementation = "sdpa"
+        model = Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
+        ids = torch.randint(0, sizes["vocab_size"], (1, tokens), device=device)
+        with torch.no_grad(), seam.record_routes(model) as rec_own:
+            model(input_ids=ids)
+        routes = rec_own.routes.to(seam.route_dtype(sizes["num_experts"]))
+        bench.step(model, ids), bench.step(model, ids, routes)  # warm-up
+        plain, replayed = [], []
+        for _ in range(5):
+            plain.append(bench.step(model, ids))
+            replayed.append(bench.step(model, ids, routes))
+        p_med, r_med = sorted(plain)[2], sorted(replayed)[2]
+        e["numbers"].update(tokens=tokens, off_s=p_med, replay_s=r_med, ratio=r_med / p_med)
+        e["notes"].append(
+            f"one Qwen3-MoE decoder layer ({sizes['num_experts']} experts, top-{sizes['num_experts_per_tok']}, "
+            f"hidden {sizes['hidden_size']}, expert width {sizes['moe_intermediate_size']}), {tokens} tokens, "
+            f"{dtype}, medians of 5 interleaved; a number to read, not a bound (benchmarks/routing_replay.py)"
+        )
+        e["summary"] = f"forward+backward {p_med:.4f} s off, {r_med:.4f} s with replay ({r_med / p_med:.3f}x)"
+
+
 # ---- the orchestrator ---------------------------------------------------------------------------------------
 
 
@@ -1815,6 +1905,7 @@ def run_worker(args) -> int:
         "6": lambda: worker_selfcheck_collectives(rec, args),
         "7": lambda: worker_memory(rec, args),
         "8": lambda: worker_mask_scoring(rec, args),
+        "9": lambda: worker_routing_replay(rec, args),
     }
     fns[args.worker]()
     return 0

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh (issue 12) in its CPU variant: the report's structure, the exit code, checks 1, 2 and 5-8.
+"""scripts/gpu_check.sh (issue 12) in its CPU variant: the report's structure, the exit code, checks 1, 2 and 5-9.
 
 On CPU the process group is gloo, which accepts host tensors: the real negative control (a host tensor in a NCCL
 collective raises) can only run on a GPU, so here it must be reported SKIP with that reason, and the adapted
@@ -114,6 +114,19 @@ def test_cpu_checks_5_to_8(tmp_path):
     scoring = by_id["8.prox_scoring"]
     assert scoring["status"] == "PASS" and max(scoring["numbers"]["max_abs_diff"].values()) <= 1e-4, scoring
     assert scoring["numbers"]["kept_effect_max"] > 1e-2
+
+
+def test_cpu_check_9_routing_replay(tmp_path):
+    """MoE routing replay's seam in the CPU variant (fp32): own routes bit-identical for both tiny families, shifted
+    routes change the logits; the hook's cost on a reduced layer is reported as numbers (on CUDA: Qwen3-30B-A3B's)."""
+    run, report, by_id = _run(tmp_path, "--device", "cpu", "--checks", "9")
+    assert run.returncode == 0, run.stdout[-4000:]
+    exact = by_id["9.replay_bitexact"]
+    assert exact["status"] == "PASS", exact
+    for family in ("qwen2_moe", "qwen3_moe"):
+        assert exact["numbers"][f"{family}_own_max_diff"] == 0.0 and exact["numbers"][f"{family}_shifted_max_diff"] > 0
+    cost = by_id["9.replay_cost"]
+    assert cost["status"] == "PASS" and cost["numbers"]["tokens"] == 32 and cost["numbers"]["ratio"] > 0, cost
 
 
 def test_missing_packages_skip_with_the_reason_and_stubs_are_reported(tmp_path):
