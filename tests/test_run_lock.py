@@ -43,6 +43,20 @@ class _Started:
                 break
         raise AssertionError(f"no {marker!r} from the child: {''.join(seen)[-3000:]}")
 
+    def exited(self, timeout: float) -> None:
+        """Wait for the child to exit; if it does not, fail with every thread's stack (the child registers
+        faulthandler on SIGUSR1) and its output since the last read."""
+        try:
+            self.proc.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            self.proc.kill()
+            self.proc.wait(30)
+            tail = self.proc.stdout.read().decode(errors="replace")[-6000:]
+            raise AssertionError(f"the child did not exit within {timeout:.0f} s; its threads and output:\n{tail}")
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.kill()
@@ -163,7 +177,8 @@ def test_lock_dirs(tmp_path):
 def _cli_script(argv):
     """The real CLI (parse, pre-flight, lock) with upstream's train() replaced by a wait: no Ray starts."""
     return (
-        "import sys, time\nfrom openrlhf_ess.cli import train_ppo_ray as cli\n"
+        "import faulthandler, signal, sys, time\nfrom openrlhf_ess.cli import train_ppo_ray as cli\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)  # _Started.exited: where a stuck exit waits\n"
         "def train(args):\n    print('training', flush=True)\n    time.sleep(600)\n"
         f"cli.train = train\ncli.main({argv!r})\n"
     )
@@ -203,7 +218,7 @@ def test_the_lock_is_released_when_the_run_is_interrupted(tiny_world, tmp_path, 
     paths = [os.path.join(folder, run_lock.LOCK_NAME) for folder in folders]
     assert all(json.load(open(p))["pid"] == run.proc.pid for p in paths)
     os.kill(run.proc.pid, sig)
-    run.proc.wait(60)
+    run.exited(120)
     lines = []
     for flag, folder in zip(("--ckpt.output_dir", "--ckpt.path"), folders):
         run_lock.acquire(flag, folder, log=lines.append).release()
