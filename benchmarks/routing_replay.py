@@ -5,7 +5,8 @@ takes the engine's expert ids and recomputes the gate weights from the router's 
 gather over [tokens, experts]), instead of the router's top-k. Everything else of the forward and backward runs
 unchanged. This times forward + backward of one decoder layer (attention + the sparse-MoE block: 128 experts,
 top-8, hidden 2048, expert width 768, as Qwen3-30B-A3B) on ``--tokens`` tokens, without and with the hook
-replaying the layer's own routes (so both compute the same function), interleaved, medians of ``--repeats``.
+replaying the layer's own routes (so both compute the same function), interleaved, medians of ``--repeats``;
+and the bytes autograd saves for the backward of one forward, both ways (the activation memory replay adds).
 
     python -m benchmarks.routing_replay --tokens 1024 --repeats 5
 
@@ -15,6 +16,7 @@ CPU fp32 here; on GPU (``--device cuda --dtype bf16``) the ratio is what a user'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -65,6 +67,24 @@ def step(model, ids: torch.Tensor, routes=None) -> float:
     return time.perf_counter() - t0
 
 
+def saved_bytes(model, ids: torch.Tensor, routes=None) -> int:
+    """Bytes autograd keeps for the backward of one forward (every tensor saved, counted once per storage): the
+    activation memory a training step holds between its forward and backward."""
+    seen = {}
+
+    def pack(t):
+        if t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with seam.replay_routes(model, routes) if routes is not None else contextlib.nullcontext():
+            out = model(input_ids=ids).logits
+    del out
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in seen.items() if ptr not in params)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
@@ -84,15 +104,16 @@ def main() -> None:
         plain.append(step(model, ids))
         replayed.append(step(model, ids, routes))
     p, r = statistics.median(plain), statistics.median(replayed)
+    mem_off, mem_replay = saved_bytes(model, ids), saved_bytes(model, ids, routes)
     layers, k, experts = 48, QWEN3_30B_A3B["num_experts_per_tok"], QWEN3_30B_A3B["num_experts"]
     print(
         "| tokens | device, dtype | forward+backward s, off | with replay | with / off "
-        "| route bytes/token (48 layers) |"
+        "| saved for backward MiB, off | with replay | route bytes/token (48 layers) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     print(
         f"| {a.tokens} | {a.device}, {a.dtype} | {p:.3f} | {r:.3f} | **{r / p:.3f}×** "
-        f"| {seam.route_bytes_per_token(layers, k, experts)} |"
+        f"| {mem_off / 2**20:.1f} | {mem_replay / 2**20:.1f} | {seam.route_bytes_per_token(layers, k, experts)} |"
     )
     print(f"all repeats (s): off {[round(x, 3) for x in plain]}, replay {[round(x, 3) for x in replayed]}")
 
