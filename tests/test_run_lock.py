@@ -179,6 +179,9 @@ def _cli_script(argv):
     return (
         "import faulthandler, signal, sys, time\nfrom openrlhf_ess.cli import train_ppo_ray as cli\n"
         "faulthandler.register(signal.SIGUSR1, all_threads=True)  # _Started.exited: where a stuck exit waits\n"
+        # Ctrl-C as under a terminal: a background job of a non-interactive shell (`pytest ... &`) starts with
+        # SIGINT ignored, which its children inherit, and Python then installs no KeyboardInterrupt handler
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "def train(args):\n    print('training', flush=True)\n    time.sleep(600)\n"
         f"cli.train = train\ncli.main({argv!r})\n"
     )
