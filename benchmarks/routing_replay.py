@@ -42,11 +42,12 @@ QWEN3_30B_A3B = dict(
 )
 
 
-def build(device: str, dtype: torch.dtype):
+def build(device: str, dtype: torch.dtype, sizes: dict = QWEN3_30B_A3B):
+    """A one-layer Qwen3-MoE causal LM of ``sizes`` (seed 0), on ``device`` in ``dtype``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3MoeConfig(**QWEN3_30B_A3B)
+    config = Qwen3MoeConfig(**sizes)
     config._attn_implementation = "sdpa"
     return Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
 
@@ -85,6 +86,30 @@ def saved_bytes(model, ids: torch.Tensor, routes=None) -> int:
     return sum(n for ptr, n in seen.items() if ptr not in params)
 
 
+def measure(model, tokens: int, repeats: int) -> dict:
+    """Forward + backward of ``model`` on ``tokens`` random tokens without and with the hook replaying the model's
+    own routes (the same function both ways), after one warm-up each, interleaved (machine load hits both alike):
+    every repeat's seconds, their medians, and the bytes saved for backward both ways."""
+    config = model.config
+    ids = torch.randint(0, config.vocab_size, (1, tokens), device=model.device)
+    with torch.no_grad(), seam.record_routes(model) as rec:
+        model(input_ids=ids)
+    routes = rec.routes.to(seam.route_dtype(config.num_experts))
+    step(model, ids), step(model, ids, routes)  # warm-up
+    plain, replayed = [], []
+    for _ in range(repeats):
+        plain.append(step(model, ids))
+        replayed.append(step(model, ids, routes))
+    return {
+        "plain": plain,
+        "replayed": replayed,
+        "off_s": statistics.median(plain),
+        "replay_s": statistics.median(replayed),
+        "saved_off": saved_bytes(model, ids),
+        "saved_replay": saved_bytes(model, ids, routes),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
@@ -93,18 +118,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     a = parser.parse_args()
     dtype = torch.float32 if a.dtype == "fp32" else torch.bfloat16
-    model = build(a.device, dtype)
-    ids = torch.randint(0, QWEN3_30B_A3B["vocab_size"], (1, a.tokens), device=a.device)
-    with torch.no_grad(), seam.record_routes(model) as rec:
-        model(input_ids=ids)
-    routes = rec.routes.to(seam.route_dtype(QWEN3_30B_A3B["num_experts"]))
-    step(model, ids), step(model, ids, routes)  # warm-up
-    plain, replayed = [], []
-    for _ in range(a.repeats):  # interleaved: machine load hits both alike
-        plain.append(step(model, ids))
-        replayed.append(step(model, ids, routes))
-    p, r = statistics.median(plain), statistics.median(replayed)
-    mem_off, mem_replay = saved_bytes(model, ids), saved_bytes(model, ids, routes)
+    m = measure(build(a.device, dtype), a.tokens, a.repeats)
+    p, r, mem_off, mem_replay = m["off_s"], m["replay_s"], m["saved_off"], m["saved_replay"]
     layers, k, experts = 48, QWEN3_30B_A3B["num_experts_per_tok"], QWEN3_30B_A3B["num_experts"]
     print(
         "| tokens | device, dtype | forward+backward s, off | with replay | with / off "
@@ -115,7 +130,7 @@ def main() -> None:
         f"| {a.tokens} | {a.device}, {a.dtype} | {p:.3f} | {r:.3f} | **{r / p:.3f}×** "
         f"| {mem_off / 2**20:.1f} | {mem_replay / 2**20:.1f} | {seam.route_bytes_per_token(layers, k, experts)} |"
     )
-    print(f"all repeats (s): off {[round(x, 3) for x in plain]}, replay {[round(x, 3) for x in replayed]}")
+    print(f"all repeats (s): off {[round(x, 3) for x in m['plain']]}, replay {[round(x, 3) for x in m['replayed']]}")
 
 
 if __name__ == "__main__":

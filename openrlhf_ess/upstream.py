@@ -250,6 +250,15 @@ def train_step_with_balance(balance: Callable) -> Callable:
     return rebind(step, {"balance_experiences": balance})
 
 
+def packed_layout(per_token: Any, attention_mask: Any) -> Any:
+    """[B, S, ...] → [1, N, ...], N = Σ lengths: the layout upstream's packed ``Actor.forward``
+    (``--ds.packing_samples``) gives the HF model and its labels. ``ring_attn_utils.unpad_and_slice_tensor`` keeps
+    flash-attn's ``unpad_input`` order: the attention mask's nonzero positions, row-major (ring slicing not
+    covered)."""
+    keep = attention_mask.to(per_token.device).reshape(-1).nonzero().squeeze(-1)
+    return per_token.reshape(-1, *per_token.shape[2:])[keep].unsqueeze(0)
+
+
 def upstream_log_probs_from_logits() -> Callable:
     from openrlhf.models.utils import log_probs_from_logits
 

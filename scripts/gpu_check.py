@@ -1863,23 +1863,16 @@ def worker_routing_replay(rec: Recorder, args) -> None:
         tokens = 2048 if cuda else 32
         if not cuda:  # the host's copy of Qwen3-30B-A3B's layer (2.4 GB fp32) would be most of this check's time
             sizes.update(num_experts=16, moe_intermediate_size=128, intermediate_size=512)
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-        torch.manual_seed(0)
-        config = Qwen3MoeConfig(**sizes)
-        config._attn_implementation = "sdpa"
-        model = Qwen3MoeForCausalLM(config).to(device=device, dtype=dtype)
-        ids = torch.randint(0, sizes["vocab_size"], (1, tokens), device=device)
-        with torch.no_grad(), seam.record_routes(model) as rec_own:
-            model(input_ids=ids)
-        routes = rec_own.routes.to(seam.route_dtype(sizes["num_experts"]))
-        bench.step(model, ids), bench.step(model, ids, routes)  # warm-up
-        plain, replayed = [], []
-        for _ in range(5):
-            plain.append(bench.step(model, ids))
-            replayed.append(bench.step(model, ids, routes))
-        p_med, r_med = sorted(plain)[2], sorted(replayed)[2]
-        e["numbers"].update(tokens=tokens, off_s=p_med, replay_s=r_med, ratio=r_med / p_med)
+        m = bench.measure(bench.build(device, dtype, sizes), tokens, repeats=5)
+        p_med, r_med = m["off_s"], m["replay_s"]
+        e["numbers"].update(
+            tokens=tokens,
+            off_s=p_med,
+            replay_s=r_med,
+            ratio=r_med / p_med,
+            saved_off_bytes=m["saved_off"],
+            saved_replay_bytes=m["saved_replay"],
+        )
         e["notes"].append(
             f"one Qwen3-MoE decoder layer ({sizes['num_experts']} experts, top-{sizes['num_experts_per_tok']}, "
             f"hidden {sizes['hidden_size']}, expert width {sizes['moe_intermediate_size']}), {tokens} tokens, "

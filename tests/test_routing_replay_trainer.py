@@ -416,6 +416,8 @@ def test_check_inflight_routes_contract():
         routing_replay.check_inflight_routes_contract(4, 5, True)
     with pytest.raises(vllm_engine.EngineContractError, match="differ from the first 5 rows"):
         routing_replay.check_inflight_routes_contract(5, 5, False)
+    with pytest.raises(vllm_engine.EngineContractError, match="a 32-token request streamed no output before"):
+        routing_replay.check_inflight_routes_contract(None, 0, False, 32)
 
 
 def test_streams_scored_at_a_sync_replay_the_engines_routes(moe_world):

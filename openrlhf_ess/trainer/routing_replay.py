@@ -36,12 +36,11 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from openrlhf_ess import upstream
 from openrlhf_ess.models import routing_replay as seam
 from openrlhf_ess.trainer import carried
 
 FLAG = seam.FLAG
-SENTINEL_U8 = seam.SENTINEL_U8
-SENTINEL_I16 = seam.SENTINEL_I16
 sentinel = seam.sentinel  # the "no route recorded" id of a route dtype (uint8: 255, int16: −1)
 
 
@@ -123,21 +122,19 @@ def stream_routes(routes: Sequence[Any], lengths: Sequence[int], width: int) -> 
     ``lengths[b]`` tokens has ``routes[b]`` of at least lengths[b] − 1 rows (vLLM's layout); the stream's tokens
     get them at columns 0..lengths[b] − 2, the last token and the padding the sentinel."""
     rows = []
-    for row, length in zip(routes, lengths):
-        row = routes_to_tensor(row)
-        if row.shape[0] < length - 1:
+    for row, length in zip(routes, lengths):  # vLLM's numpy rows; observation_routes converts them once
+        if len(row) < length - 1:
             raise RuntimeError(
-                f"{FLAG}: a stream of {length} tokens scored at a weight sync has routes for {row.shape[0]} of them; "
+                f"{FLAG}: a stream of {length} tokens scored at a weight sync has routes for {len(row)} of them; "
                 "this is a bug, please report it."
             )
         rows.append(observation_routes(row[: length - 1], length, length)[0])
     return pad_routes(rows, width)
 
 
-def pad_routes(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """[B, width, L, k]: each sample's routes [S_i, L, k] at columns 0..S_i − 1 (right padding, as upstream pads
-    ``sequences``), the sentinel after; rows longer than ``width`` are cut (``carried.pad_routes``)."""
-    return carried.pad_routes(rows, width)
+# [B, width, L, k]: each sample's routes at columns 0..S_i − 1 (right padding, as upstream pads ``sequences``), the
+# sentinel after; rows longer than ``width`` are cut. One padding rule for the experience maker and the buffer.
+pad_routes = carried.pad_routes
 
 
 def hf_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -165,13 +162,7 @@ def packs(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "packing_samples", False))
 
 
-def pack(per_token: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, S, ...] → [1, N, ...]: the rows of the attention mask's nonzero positions, row-major, N = Σ lengths.
-
-    The layout upstream's packed ``Actor.forward`` gives the HF model (``ring_attn_utils.unpad_and_slice_tensor``:
-    flash-attn's ``unpad_input`` keeps ``attention_mask.flatten().nonzero()``, in that order)."""
-    keep = attention_mask.to(per_token.device).reshape(-1).nonzero().squeeze(-1)
-    return per_token.reshape(-1, *per_token.shape[2:])[keep].unsqueeze(0)
+pack = upstream.packed_layout  # [B, S, ...] → [1, N, ...] as upstream's packed forward lays out its tokens
 
 
 @contextlib.contextmanager
@@ -301,11 +292,23 @@ def check_routes_contract(shape, num_layers: int, top_k: int, rows: Optional[int
         )
 
 
-def check_inflight_routes_contract(mid_rows: Optional[int], needed: int, prefix_equal: bool) -> None:
+def check_inflight_routes_contract(
+    mid_rows: Optional[int], needed: int, prefix_equal: bool, max_tokens: int = 0
+) -> None:
     """Raise ``vllm_engine.EngineContractError`` unless a request's routes read while it was still generating
     (``vllm_engine.inflight_routes``: what a weight sync scores in --algo.prox_mode interrupt/dedicated) had at
-    least ``needed`` rows (prompt + tokens streamed so far − 1) and equal the first rows of its final routes."""
+    least ``needed`` rows (prompt + tokens streamed so far − 1) and equal the first rows of its final routes.
+    ``needed`` 0: the ``max_tokens``-token request streamed nothing before it finished, so no read was made."""
     from openrlhf_ess.trainer.ray.vllm_engine import EngineContractError
+
+    if needed == 0:
+        raise EngineContractError(
+            f"start-up self-check failed (engine contract, {FLAG} with scoring at a weight sync): a "
+            f"{max_tokens}-token request streamed no output before it finished, so the mid-generation route read "
+            "could not be checked "
+            "(and partial rollouts' token tracking relies on streamed outputs). Fix: use the pinned vLLM, or "
+            "--algo.prox_mode snapshot."
+        )
 
     fix = (
         "Fix: use the pinned vLLM (0.29 on GPU: its output processor accumulates each request's routed_experts per "

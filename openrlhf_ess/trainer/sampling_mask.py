@@ -89,8 +89,7 @@ def to_label_layout(per_token: torch.Tensor, labels: torch.Tensor, attention_mas
         return rolled
     if attention_mask is None or labels.shape[0] != 1:
         raise RuntimeError(f"sampling mask: labels {tuple(labels.shape)} for a batch of {tuple(per_token.shape)}")
-    keep = attention_mask.reshape(-1).to(rolled.device).nonzero().squeeze(-1)
-    return rolled.reshape(-1)[keep].unsqueeze(0)
+    return upstream.packed_layout(rolled, attention_mask)
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

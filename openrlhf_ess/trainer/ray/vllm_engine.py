@@ -415,15 +415,8 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         )
         line = f"routed_experts {list(routes.shape)} {routes.dtype}"
         if self.report_outgoing:
-            if needed == 0:
-                raise EngineContractError(
-                    "start-up self-check failed (engine contract, --algo.routing_replay with scoring at a weight "
-                    f"sync): a {max_tokens}-token request streamed no output before it finished, so the "
-                    "mid-generation route read could not be checked (and partial rollouts' token tracking relies on "
-                    "streamed outputs). Fix: use the pinned vLLM, or --algo.prox_mode snapshot."
-                )
             same = mid is not None and bool((routes[: len(mid)] == mid).all())
-            check_inflight_routes_contract(None if mid is None else len(mid), needed, same)
+            check_inflight_routes_contract(None if mid is None else len(mid), needed, same, max_tokens)
             line += f"; read mid-generation: {len(mid)} rows after {needed + 1} tokens, equal to the final rows"
         print(f"start-up self-check passed: --algo.routing_replay: {line}", flush=True)
 
