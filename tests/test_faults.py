@@ -133,30 +133,82 @@ def test_reward_sys_exit_stops_the_run_with_the_file_named(tiny_world, tmp_path)
     assert not run.leftovers, run.leftovers
 
 
+def _ray_is_starting(run_dir, tree):
+    """Ray's GCS server has been spawned under the CLI: ray.init() is running (or has just returned)."""
+    return any("gcs_server" in cmd for _, cmd in list(tree.seen.values()))
+
+
+def _engine_is_up(run_dir, tree):
+    """The vLLM engine's processes map their psm_* message queues."""
+    return any(name.startswith("psm_") for name in list(tree.shm_names))
+
+
+def _progress(point):
+    """A point of the run's own progress on disk (tests/test_resume.py::_kill_point): ("mid_step", 0) = the batch
+    of step 1 made (its audit file written), its update under way; ("mid_save", 1) = checkpoint 1 being written."""
+
+    def reached(run_dir, tree):
+        from tests.test_resume import _kill_point
+
+        return _kill_point(point, os.path.join(run_dir, "ckpt", "checkpoints"), os.path.join(run_dir, "audit"))
+
+    return reached
+
+
+# (signal, to the whole process group?, progress point, extra flags). The group cases are what Slurm's scancel and
+# Kubernetes do: SIGTERM to every process of the job (the driver, Ray's daemons and workers, vLLM's processes).
+_SAVING = ["--ckpt.save_steps", "1", "--algo.prox_audit_dir"]
+SIGNAL_POINTS = {
+    "SIGHUP-while-ray-starts": (signal.SIGHUP, False, _ray_is_starting, []),
+    "SIGTERM-engine-up": (signal.SIGTERM, False, _engine_is_up, []),
+    "SIGTERM-mid-step": (signal.SIGTERM, False, _progress(("mid_step", 0)), _SAVING),
+    "SIGTERM-group-mid-save": (signal.SIGTERM, True, _progress(("mid_save", 1)), _SAVING),
+    "SIGINT-engine-up": (signal.SIGINT, False, _engine_is_up, []),
+}
+
+
 @pytest.mark.parametrize(
-    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "SIGINT"]
+    "case", [c if not c.startswith("SIGINT") else pytest.param(c, marks=pytest.mark.slow) for c in SIGNAL_POINTS]
 )
-def test_a_signalled_run_leaves_no_shared_memory(tiny_world, tmp_path, capsys, sig):
-    """Issue 21, item 4: every run that started vLLM left two psm_* files (its message queues) and a sem.mp-* in
-    /dev/shm. The CLI is signalled once its vLLM engine is up (its processes are seen mapping their psm_* queues:
-    a point of the run's progress, not a sleep); it exits, removes the files its processes used, and leaves no
-    process. Files are attributed to the run by the processes seen using them, so other runs on the machine
-    (which change the global count, printed) are not counted."""
+def test_a_signalled_run_cleans_up_at_any_point(tiny_world, tmp_path, capsys, case):
+    """Issues 21 (item 4) and 32: a run signalled at a point of its own progress (while Ray starts, as its vLLM
+    engine comes up, mid-step, mid-save; to the CLI alone or to its whole process group) says it is stopping, exits
+    with 128 + the signal's number, removes the /dev/shm files its processes used and leaves no process. Before
+    issue 32, a SIGTERM after ray.init() reached Abseil's handler (Ray's core worker), which aborts the driver 3 s
+    later (exit 134) with the clean-up unfinished, depending on timing. Files are attributed to the run by the
+    processes seen using them, so other runs on the machine (which change the global count, printed) are not
+    counted."""
+    sig, group, reached, extra = SIGNAL_POINTS[case]
     run_dir = str(tmp_path)
+    args = tiny_args(tiny_world, run_dir) + [
+        flag if flag != "--algo.prox_audit_dir" else f"{flag}={tmp_path / 'audit'}" for flag in extra
+    ]
+    where = []
 
-    def signal_when_the_engine_is_up(proc, tree):
+    def signal_at_the_point(proc, tree):
         deadline = time.time() + 480
-        while not any(name.startswith("psm_") for name in tree.shm_names):
-            assert proc.poll() is None, "the run ended before its vLLM engine was up"
-            assert time.time() < deadline, "no vLLM engine up within 8 minutes"
-            time.sleep(0.5)
-        proc.send_signal(sig)
+        while not (point := reached(run_dir, tree)):
+            assert proc.poll() is None, f"the run ended before {case}: " + open(f"{run_dir}/log.txt").read()[-3000:]
+            assert time.time() < deadline, f"{case}: not reached within 8 minutes"
+            time.sleep(0.02)
+        where.append(point)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
 
-    run = run_cli_tracked(tiny_args(tiny_world, run_dir), run_dir, timeout=600, during=signal_when_the_engine_is_up)
+    run = run_cli_tracked(args, run_dir, timeout=600, during=signal_at_the_point, new_session=group)
     with capsys.disabled():
-        print(f"\n/dev/shm entries before / after the {sig.name} run: {run.shm_counts} (machine-wide)")
-    assert not run.timed_out and run.rc != 0, run.log[-4000:]
-    assert "shared-memory file(s) this run's processes left in /dev/shm" in run.log, run.log[-4000:]
+        print(f"\n{case} at {where}: /dev/shm entries before / after: {run.shm_counts} (machine-wide), rc {run.rc}")
+    assert not run.timed_out, run.log[-4000:]
+    assert "*** SIGTERM received" not in run.log or group, run.log[-4000:]  # Abseil's handler: not in the driver
+    if sig == signal.SIGINT:
+        assert run.rc != 0 and "KeyboardInterrupt" in run.log, run.log[-4000:]
+    else:
+        assert run.rc == 128 + sig, (run.rc, run.log[-4000:])
+        assert f"[openrlhf-ess] {sig.name} received: stopping the run." in run.log, run.log[-4000:]
+    if sig != signal.SIGHUP:  # vLLM was up: it left its files, the CLI removed them and said so
+        assert "shared-memory file(s) this run's processes left in /dev/shm" in run.log, run.log[-4000:]
     assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
     assert not run.leftovers, run.leftovers
 

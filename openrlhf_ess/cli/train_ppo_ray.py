@@ -21,7 +21,7 @@ from openrlhf_ess import cpu_compat
 
 cpu_compat.apply()
 
-from openrlhf_ess import config, preflight, resources, run_lock, shm_cleanup, upstream  # noqa: E402
+from openrlhf_ess import config, preflight, resources, run_lock, shm_cleanup, signals, upstream  # noqa: E402
 from openrlhf_ess.trainer import resume, saving  # noqa: E402
 
 # Environment variables forwarded to every Ray worker, with the defaults the CPU stack needs.
@@ -126,7 +126,8 @@ def _probe_gpu_nodes(address: str, timeout_s: float = 120.0) -> dict:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    with signals.ray_init():  # Ray's SIGTERM handlers replaced by ours again (signals.py)
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     try:
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU", 0) > 0]
         probe = ray.remote(num_cpus=0)(cpu_compat.cuda_available)
@@ -168,26 +169,28 @@ def watch_shared_memory() -> shm_cleanup.ShmWatch:
     return watch
 
 
-def init_ray(args) -> None:
-    """Start (or join) Ray with our worker set-up hook, so every worker applies the CPU patches."""
+def init_ray(args) -> Optional[shm_cleanup.ShmWatch]:
+    """Start (or join) Ray with our worker set-up hook, so every worker applies the CPU patches; returns the watch
+    of the run's /dev/shm files when it starts a private Ray instance (None when joining a cluster)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return None
     address = _ray_address(args)
     if address:
         # Under `ray job submit` the job may carry its own runtime env; Ray refuses to merge two that
         # share keys unless told to (the driver's values win, so our worker set-up hook is kept).
         os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
-        ray.init(address=address, runtime_env=_runtime_env())
-        return
+        with signals.ray_init():
+            ray.init(address=address, runtime_env=_runtime_env())
+        return None
     temp_dir = args.ray.temp_dir
     if temp_dir is None:
         # Short path: Ray's unix sockets live under it and are limited to ~107 characters.
         temp_dir = tempfile.mkdtemp(prefix="ray_ess_", dir="/tmp")
         atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
     # Before ray.init: the hook that removes the run's /dev/shm files then runs after Ray's own atexit shutdown.
-    watch_shared_memory()
+    watch = watch_shared_memory()
     # A worker that dies (OOM killer, segfault, ray.kill) takes its process group with it: without this a
     # vLLM engine actor's EngineCore and worker processes outlive it, holding (GPU) memory after the run.
     # Read by the raylet we start here; a cluster joined with --ray.address needs it set at `ray start`.
@@ -198,14 +201,16 @@ def init_ray(args) -> None:
         # The deepspeed launcher sets CUDA_VISIBLE_DEVICES=0 even without CUDA; Ray then refuses to
         # declare more logical GPUs than listed there. No CUDA device exists, so the list means nothing.
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        num_cpus=max(8, os.cpu_count() or 1),
-        num_gpus=num_gpus,
-        _temp_dir=temp_dir,
-        runtime_env=_runtime_env(),
-    )
+    with signals.ray_init():
+        ray.init(
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            num_cpus=max(8, os.cpu_count() or 1),
+            num_gpus=num_gpus,
+            _temp_dir=temp_dir,
+            runtime_env=_runtime_env(),
+        )
+    return watch
 
 
 class RunFailed(RuntimeError):
@@ -669,7 +674,7 @@ def train(args) -> None:
         PPOTrainer=_FitWatch(PPOTrainer, started, before_fit=before_fit),
         PPOTrainerAsync=_FitWatch(PPOTrainerAsync, started, before_fit=before_fit),
     )
-    init_ray(args)
+    watch = init_ray(args)
     watchdog = None
     try:
         watchdog = resources.PlacementWatchdog(check_resources(args)).start()
@@ -690,10 +695,29 @@ def train(args) -> None:
 
         if watchdog is not None:
             watchdog.stop()
+        if watch is not None:  # one last look before Ray ends the processes: files made since the watch's last look
+            watch.sample()
         ray.shutdown()
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    # SIGTERM/SIGHUP take Ctrl-C's path from here to the last line, whatever Ray installs meanwhile (signals.py).
+    signals.install()
+    try:
+        _main(argv)
+    except BaseException:
+        stopped = signals.received()
+        if stopped is None:
+            raise
+        # The clean-up has run (train's and _main's finally blocks). Ray turns a SystemExit raised inside
+        # ray.get into its own SystemExit(1), and the actors' ends raise as Ray shuts down: the exit code says
+        # the signal, as schedulers expect (128 + its number).
+        sys.exit(128 + stopped)
+    finally:
+        signals.finished()
+
+
+def _main(argv: Optional[List[str]]) -> None:
     upstream.check_version()
     try:
         args, notices = parse_args(argv)

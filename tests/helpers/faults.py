@@ -120,7 +120,7 @@ class TrackedRun:
 
 
 def run_cli_tracked(
-    args: list, run_dir: str, timeout: int = 600, env=None, settle: float = 20.0, during=None
+    args: list, run_dir: str, timeout: int = 600, env=None, settle: float = 20.0, during=None, new_session=False
 ) -> TrackedRun:
     """Run ``python -m openrlhf_ess.cli.train_ppo_ray ARGS`` with a time limit and leave no process behind.
 
@@ -128,6 +128,8 @@ def run_cli_tracked(
     shutdown signals them asynchronously); whatever is still there after that is a leftover.
     ``during(proc, tree)``: called once the run has started, while it is tracked (e.g. to signal it at a point of
     its progress); the run's end is awaited after it returns. An exception inside it ends the whole run.
+    ``new_session``: the CLI leads a process group of its own, as a batch scheduler's job step does, so that
+    ``during`` can signal the whole group (``os.killpg(proc.pid, sig)``: Slurm's scancel, Kubernetes).
     """
     cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray"] + args
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": run_dir, **(env or {})}
@@ -136,7 +138,9 @@ def run_cli_tracked(
     timed_out = False
     shm_before = len(os.listdir(SHM_DIR))
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=new_session
+        )
         with _Tree(proc.pid) as tree:
             if during is not None:
                 during(proc, tree)
