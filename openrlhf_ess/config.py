@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
     add_ess_lr_arguments(parser)
+    add_opob_arguments(parser)
     add_off_policy_arguments(parser)
     add_prox_arguments(parser)
     add_sampling_mask_arguments(parser)
@@ -200,6 +201,35 @@ def add_ess_lr_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_opob_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "openrlhf-ess: VCPO's off-policy optimal baseline (arXiv 2602.17616)",
+        "Per prompt group: b* = sum w^2 |g|^2 R / sum w^2 |g|^2, with w_i the sequence IS weight "
+        "exp(mean_t log pi_prox/mu) (truncated at --algo.tis_cap) and |g_i| the norm of the LM head's gradient of "
+        "log pi(response i), exact by the ghost-norm identity from the make-experience forward (no backward). "
+        "Cost: A^2 V multiply-adds per response of A tokens in that forward, A x A fp32 matrices; metrics opob/*.",
+    )
+    group.add_argument(
+        "--algo.advantage.baseline",
+        type=str,
+        default="estimator",
+        choices=["estimator", "opob"],
+        help="estimator: the baseline of --algo.advantage.estimator (upstream, bit-exact). opob: VCPO's "
+        "off-policy optimal baseline, for reinforce_baseline, rloo, group_norm and dr_grpo (docs/opob.md).",
+    )
+    group.add_argument(
+        "--algo.vcpo_enable",
+        action="store_true",
+        default=False,
+        help="VCPO in full: --algo.ess_lr_enable and --algo.advantage.baseline opob together (the paper's two "
+        "halves; add --algo.tis_cap to truncate the weights both use).",
+    )
+
+
+def opob_on(args: types.SimpleNamespace) -> bool:
+    return args.algo.advantage.baseline == "opob"
+
+
 def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
     from openrlhf_ess.models.corrections import TIS_LEVELS
 
@@ -327,6 +357,25 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         "policy's age); logged as prox/ewma_decay. Costs nothing beyond ewma mode.",
     )
     group.add_argument(
+        "--algo.prox_ewma_style",
+        type=str,
+        default="batch",
+        choices=["hilton", "batch"],
+        help="ewma mode: hilton = PPO-EWMA as published (Hilton et al. 2021, openai/ppo-ewma): the average starts "
+        "at the initial weights with weight 1 (no bias correction) and pi_prox is a forward of the average "
+        "recomputed for every minibatch (one extra no-grad actor forward per minibatch). batch = ours before "
+        "issue 28: the average starts at 0 with bias correction 1/(1-beta^n), pi_prox computed once per rollout "
+        "batch and kept for every PPO epoch (docs/prox_modes.md).",
+    )
+    group.add_argument(
+        "--algo.prox_ewma_ref_batch",
+        type=int,
+        default=None,
+        help="ewma mode: Hilton's batch-size-invariance rule. --algo.prox_ewma_decay is the beta tuned at this "
+        "many samples per optimizer step; the run uses beta^(B / this), B = --train.batch_size, so the average "
+        "spans the same number of samples at any batch size. Default: beta as given.",
+    )
+    group.add_argument(
         "--algo.prox_score_memory_mb",
         type=int,
         default=2048,
@@ -425,6 +474,8 @@ def mu_consumers(args: types.SimpleNamespace) -> List[str]:
     out = []
     if algo.ess_lr_enable:
         out.append("--algo.ess_lr_enable")
+    if opob_on(args):
+        out.append("--algo.advantage.baseline opob")
     if algo.tis_cap is not None:
         out.append(f"--algo.tis_cap {algo.tis_cap}")
     elif algo.advantage.is_correction_level != "off":
@@ -572,6 +623,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
         )
 
     _validate_routing_replay(args)
+    _validate_opob(args, notices)
     if on_cpu:
         if args.vllm.sync_backend == "nccl":
             args.vllm.sync_backend = RELOAD_BACKEND
@@ -635,6 +687,63 @@ def validate(args: types.SimpleNamespace) -> List[str]:
     if args.ds.param_dtype == "fp32" and not on_cpu:
         notices.append("--ds.param_dtype fp32 on GPU: DeepSpeed trains in full precision (slower, exact).")
     return notices
+
+
+def _validate_opob(args: types.SimpleNamespace, notices: List[str]) -> None:
+    """--algo.vcpo_enable / --algo.advantage.baseline opob (trainer/opob.py): what the baseline needs."""
+    from openrlhf_ess.models.opob import OPOB_ESTIMATORS
+
+    algo = args.algo
+    if algo.vcpo_enable:
+        changed = [
+            flag for flag, on in (("--algo.ess_lr_enable", algo.ess_lr_enable), ("opob", opob_on(args))) if not on
+        ]
+        algo.ess_lr_enable, algo.advantage.baseline = True, "opob"
+        if changed:
+            notices.append(
+                "--algo.vcpo_enable: ESS-guided LR (--algo.ess_lr_enable) and the off-policy optimal "
+                "baseline (--algo.advantage.baseline opob) are on."
+            )
+    if not opob_on(args):
+        return
+    estimator = algo.advantage.estimator
+    if estimator not in OPOB_ESTIMATORS:
+        raise ConfigError(
+            f"--algo.advantage.baseline opob replaces the prompt group's baseline of a critic-free estimator, but "
+            f"--algo.advantage.estimator is {estimator}: use one of {', '.join(OPOB_ESTIMATORS)}, or drop "
+            "--algo.advantage.baseline opob."
+        )
+    if args.rollout.n_samples_per_prompt < 2:
+        raise ConfigError(
+            "--algo.advantage.baseline opob is a baseline over each prompt's samples: set "
+            f"--rollout.n_samples_per_prompt >= 2 (got {args.rollout.n_samples_per_prompt})."
+        )
+    if estimator == "reinforce_baseline" and algo.advantage.gamma != 1.0:
+        raise ConfigError(
+            f"--algo.advantage.baseline opob with reinforce_baseline needs --algo.advantage.gamma 1 (upstream forces "
+            f"1 for this estimator), got {algo.advantage.gamma}."
+        )
+    if algo.prox_mode == BYPASS_PROX_MODE:
+        raise ConfigError(
+            "--algo.advantage.baseline opob takes its gradient norms from the actor's make-experience forward, "
+            "which --algo.prox_mode bypass skips: use --algo.prox_mode recompute/snapshot/interrupt/dedicated."
+        )
+    if sampling_mask_on(args):
+        raise ConfigError(
+            "--algo.advantage.baseline opob with --algo.sampling_mask keep: the norms are computed over the full "
+            "vocabulary, not the kept support. Drop one of them."
+        )
+    if args.ds.packing_samples or args.ds.ring_attn_size > 1 or args.ds.tensor_parallel_size > 1:
+        raise ConfigError(
+            "--algo.advantage.baseline opob reads each sample's LM-head inputs and logits whole; "
+            "--ds.packing_samples, --ds.ring_attn_size > 1 and --ds.tensor_parallel_size > 1 split or pack them. "
+            "Drop those flags."
+        )
+    if args.reward.overlong_buffer_len is not None or args.reward.stop_properly_penalty_coef is not None:
+        raise ConfigError(
+            "--algo.advantage.baseline opob with a length penalty (--reward.overlong_buffer_len / "
+            "--reward.stop_properly_penalty_coef): not supported yet; drop one of them."
+        )
 
 
 def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> None:
@@ -707,6 +816,19 @@ def _validate_prox(args: types.SimpleNamespace, notices: List[str]) -> None:
     mode = algo.prox_mode
     if algo.prox_score_memory_mb <= 0:
         raise ConfigError(f"--algo.prox_score_memory_mb must be > 0 (MB), got {algo.prox_score_memory_mb}.")
+    if mode != "ewma" and (algo.prox_ewma_style != "batch" or algo.prox_ewma_ref_batch is not None):
+        raise ConfigError(
+            f"--algo.prox_ewma_style/--algo.prox_ewma_ref_batch are set but --algo.prox_mode is {mode}: they only "
+            "apply to --algo.prox_mode ewma; drop them."
+        )
+    if algo.prox_ewma_ref_batch is not None:
+        if algo.prox_ewma_ref_batch < 1:
+            raise ConfigError(f"--algo.prox_ewma_ref_batch must be >= 1 sample, got {algo.prox_ewma_ref_batch}.")
+        if algo.prox_ewma_decay == EWMA_DECAY_AUTO:
+            raise ConfigError(
+                "--algo.prox_ewma_ref_batch rescales a fixed --algo.prox_ewma_decay; with auto the decay comes from "
+                "the observed lag each step. Drop one of them."
+            )
     if mode == "recompute":
         changed = algo.prox_snapshots != 4 or algo.prox_missing != "mask" or algo.prox_ewma_decay != 0.9
         if changed:

@@ -102,6 +102,7 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     flags += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.off_policy_k2_enable"]
     flags += ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"]
     flags += ["--vllm.fp32_lm_head"]  # vLLM's fp32 head in the bf16 engine, checked in its worker at start-up
+    flags += ["--algo.advantage.baseline", "opob"]  # with ESS-LR: VCPO in full (issue 28)
     args = tiny_args(tiny_world, run_dir, steps_prompts=24)
     args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
     wandb = ["--logger.wandb.key", "offline-" + "0" * 32]
@@ -127,6 +128,11 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
         assert s == pytest.approx(max(0.1, min(1.0, r**0.5)), rel=1e-5)  # sqrt rule, floor 0.1
         assert e == pytest.approx(a * s, rel=1e-5)
     assert [v for _, v in scalars["train/ess_lr_missing"]] == [0.0] * 3
+    # OPOB: a baseline per step inside the rewards' range, from positive, unequal gradient norms
+    assert len(scalars["train/opob/baseline"]) == 3
+    assert all(0 <= v <= 1 for _, v in scalars["train/opob/baseline"])  # digit-fraction rewards are in [0, 1]
+    assert all(v > 0 for _, v in scalars["train/opob/grad_norm_mean"])
+    assert all(v > 0 for _, v in scalars["train/opob/grad_norm_rel_spread"])
     # versions: partial rollouts span weight versions, so some tokens lag by >= 1 after the first step
     assert max(v for _, v in scalars["train/version_lag/max"]) >= 1
     fracs = [last[f"train/version_lag/frac_{b}"] for b in ("0", "1", "2", "3+")]

@@ -70,7 +70,7 @@ def _args(mode):
         tis_level="token",
         prox_audit_dir=None,
         kl=ns(use_loss=False, estimator="k1"),
-        advantage=ns(estimator="reinforce"),
+        advantage=ns(estimator="reinforce", baseline="estimator"),
     )
     train = ns(colocate_all=False, colocate_actor_ref=False, colocate_critic_reward=False)
     return ns(algo=algo, train=train, ds=ns(ring_attn_size=1, tensor_parallel_size=1))

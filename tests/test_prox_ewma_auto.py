@@ -85,7 +85,9 @@ def _independent(thetas, betas):
 def test_prox_sources_sets_each_steps_decay_from_the_observed_lag():
     module = _scalar_module(1.0)
     engine = types.SimpleNamespace(module=module, global_steps=0)
-    algo = types.SimpleNamespace(prox_mode="ewma", prox_ewma_decay="auto", prox_snapshots=4)
+    algo = types.SimpleNamespace(
+        prox_mode="ewma", prox_ewma_decay="auto", prox_snapshots=4, prox_ewma_style="batch", prox_ewma_ref_batch=None
+    )
     src = ProxSources(types.SimpleNamespace(algo=algo), engine, partitioned=False)
 
     def scored(versions, weight_version):
@@ -179,3 +181,63 @@ def test_ewma_host_memory_is_one_fp32_copy_plus_one_parameter():
     # the values: two updates with the same weights θ give θ̄ = 0.9·0.1θ + 0.1θ = 0.19θ, corrected by 1 − 0.9² = 0.19
     first = next(iter(layers.parameters())).detach().float()
     assert torch.allclose(ewma.state()["0.weight"], first, rtol=1e-6, atol=0)
+
+
+# ---- PPO-EWMA as Hilton et al. published it (--algo.prox_ewma_style hilton, issue 28) -----------------------
+
+
+def test_hilton_average_starts_at_theta0_with_weight_one_by_hand():
+    m = _scalar_module(1.0)  # θ0 = 1
+    ewma = prox.EwmaWeights(0.5, "hilton")
+    ewma.start(m)
+    assert ewma.state()["weight"].item() == 1.0  # θ̄0 = θ0: no step yet, π_prox = the initial policy
+    _set(m, 3.0)
+    ewma.update(m)  # W1 = 0.5·1 + 1 = 1.5; θ̄1 = (0.5·1·1 + 3) / 1.5 = 7/3
+    assert ewma.state()["weight"].item() == pytest.approx(7 / 3)
+    _set(m, 5.0)
+    ewma.update(m)  # weights β², β, 1 = 0.25, 0.5, 1 over 1, 3, 5: (0.25 + 1.5 + 5) / 1.75 = 27/7
+    assert ewma.state()["weight"].item() == pytest.approx(27 / 7) and ewma.total == pytest.approx(1.75)
+    again = prox.EwmaWeights(0.5, "hilton")
+    again.load_state_dict(ewma.state_dict())
+    assert again.state()["weight"].item() == pytest.approx(27 / 7) and again.total == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="--algo.prox_ewma_style hilton"):  # a batch-style run cannot take it
+        prox.EwmaWeights(0.5, "batch").load_state_dict(ewma.state_dict())
+    with pytest.raises(RuntimeError, match="start"):
+        prox.EwmaWeights(0.5, "hilton").update(m)
+
+
+def test_hilton_batch_size_rule_keeps_the_decay_per_sample():
+    from openrlhf_ess.models.corrections import ewma_decay_for_batch
+
+    assert ewma_decay_for_batch(0.9, 32, 32) == 0.9
+    assert ewma_decay_for_batch(0.9, 64, 32) == pytest.approx(0.81)  # twice the batch: β² per step
+    assert ewma_decay_for_batch(0.9, 16, 32) == pytest.approx(0.9**0.5)
+    # the same decay per sample at every batch size: β_B^(1/B) = β_ref^(1/B_ref)
+    for batch in (8, 48, 256):
+        assert ewma_decay_for_batch(0.9, batch, 32) ** (1 / batch) == pytest.approx(0.9 ** (1 / 32))
+    with pytest.raises(ValueError):
+        ewma_decay_for_batch(1.0, 8, 8)
+
+
+def test_hilton_flags_parse_and_prox_sources_start_from_the_initial_weights(tiny_world):
+    from openrlhf_ess.cli import train_ppo_ray as cli
+
+    args, _ = cli.parse_args(
+        _base(tiny_world)
+        + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "hilton", "--algo.prox_ewma_ref_batch", "64"]
+        + ["--train.batch_size", "128", "--rollout.batch_size", "128"]
+    )
+    engine = types.SimpleNamespace(module=_scalar_module(2.0), global_steps=0)
+    sources = ProxSources(args, engine, partitioned=False)
+    assert sources.per_minibatch and sources.ewma.decay == pytest.approx(0.81)  # 0.9^(128/64)
+    assert sources.ewma.state()["weight"].item() == 2.0
+    for extra, message in (
+        (["--algo.prox_ewma_style", "hilton"], "only apply to --algo.prox_mode ewma"),
+        (["--algo.prox_mode", "ewma", "--algo.prox_ewma_ref_batch", "0"], "must be >= 1 sample"),
+        (
+            ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "auto", "--algo.prox_ewma_ref_batch", "8"],
+            "with auto the decay comes from the observed lag",
+        ),
+    ):
+        with pytest.raises(config.ConfigError, match=message):
+            cli.parse_args(_base(tiny_world) + extra)

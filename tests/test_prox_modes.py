@@ -168,6 +168,45 @@ def test_ewma_scores_with_bias_corrected_average(tiny_world, tmp_path):
     assert res["metrics"]["prox/extra_forwards"] == 1.0
 
 
+def _independent_hilton_ewma(theta0, steps, beta=0.9):
+    """PPO-EWMA as Hilton et al. published it: the weights β^(n-k) / Σ_j β^(n-j) over θ_0..θ_n (θ_0 included
+    with weight β^n, no bias correction), written as that explicit weighted sum."""
+    states = [theta0] + list(steps)
+    n = len(states) - 1
+    weights = [beta ** (n - k) for k in range(n + 1)]
+    total = sum(weights)
+    return {key: sum(w * s[key] for w, s in zip(weights, states)) / total for key in theta0}
+
+
+@pytest.mark.parametrize("ranks,zero_stage", [(1, 0), (2, 3)])
+def test_hilton_ewma_recomputes_prox_for_every_minibatch(tiny_world, tmp_path, ranks, zero_stage):
+    """--algo.prox_ewma_style hilton: the π_prox each minibatch's loss uses is a forward of the EWMA of θ_0..θ_m as
+    it stands after the m optimizer steps before that minibatch, computed here from the gathered weights (HF), not
+    the rollout batch's once-per-batch value; under ZeRO-3 each rank averages its partition."""
+    kw = dict(persistence_threshold=100) if zero_stage == 3 else {}
+    results = _run(tiny_world, tmp_path, ranks=ranks, zero_stage=zero_stage, mode="ewma", ewma_style="hilton", **kw)
+    for res in results if ranks > 1 else [results]:
+        theta0 = res["states"][0]
+        assert len(res["minibatch_prox"]) == 4 and len(res["step_states"]) == 4
+        seen_steps = []
+        for before, used, sequences in res["minibatch_prox"]:
+            expected_state = _independent_hilton_ewma(theta0, res["step_states"][:before])
+            n_actions = used.shape[1]
+            hf = _hf_log_probs(tiny_world["model"], expected_state, sequences, n_actions)
+            assert (used - hf).abs().max().item() < 1e-5, before
+            seen_steps.append(before)
+        assert seen_steps == [0, 1, 2, 3]  # recomputed between every two optimizer steps
+        # the make-experience scoring (proximal_log_probs) also used the published average, after 4 steps
+        hf = _hf_log_probs(
+            tiny_world["model"],
+            _independent_hilton_ewma(theta0, res["step_states"]),
+            res["sequences"],
+            res["n_actions"],
+        )
+        assert (res["prox"] - hf).abs().max().item() < 1e-5
+        assert torch.equal(res["after"], res["current"]) and res["storage_moved"] == []
+
+
 @pytest.mark.parametrize(
     "mode, extra",
     [

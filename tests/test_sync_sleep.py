@@ -255,7 +255,7 @@ def make_trainer(monkeypatch, *, sleep, backend="nccl", canary_every=1, tensor_p
         prox_audit_dir=None,
         prox_mode="recompute",
         ess_lr_enable=False,
-        advantage=SimpleNamespace(is_correction_level="off"),
+        advantage=SimpleNamespace(is_correction_level="off", baseline="estimator"),
         tis_cap=None,
         kl=SimpleNamespace(off_policy_k2_enable=False),
         max_version_lag=None,

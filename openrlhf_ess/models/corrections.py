@@ -182,6 +182,19 @@ def ewma_decay_for_age(age: float) -> float:
     return age / (1.0 + age)
 
 
+def ewma_decay_for_batch(decay: float, batch_size: int, ref_batch_size: int) -> float:
+    r"""Hilton et al.'s batch-size-invariance rule for the PPO-EWMA decay: β = β_ref^(B / B_ref).
+
+    "Batch size-invariance for policy optimization" (arXiv 2110.00641, §4): when the batch size is divided by c,
+    β_prox → β_prox^(1/c), so that the EWMA averages over the same number of *samples*: its weights per sample
+    decay as β_ref^(1/B_ref) whatever the batch. ``decay`` β_ref is the decay tuned at ``ref_batch_size`` samples
+    per optimizer step; ``batch_size`` B is this run's (B = B_ref gives β_ref back).
+    """
+    if not 0 < decay < 1 or batch_size < 1 or ref_batch_size < 1:
+        raise ValueError(f"need 0 < decay < 1 and batch sizes >= 1, got {decay}, {batch_size}, {ref_batch_size}")
+    return decay ** (batch_size / ref_batch_size)
+
+
 # ---- KL-to-reference loss: k1/k2/k3 value, importance-weighted k2 gradient (DESIGN.md §2, k2 option) -------
 
 KL_VALUE_ESTIMATORS = ("k1", "k2", "k3")

@@ -26,6 +26,7 @@ import torch
 from openrlhf_ess.models import sampling_mask
 
 State = Dict[str, torch.Tensor]
+EWMA_STYLES = ("hilton", "batch")  # --algo.prox_ewma_style (EwmaWeights)
 
 
 def is_partitioned(module: torch.nn.Module) -> bool:
@@ -136,27 +137,46 @@ class _Scaled(Mapping):
 
 class EwmaWeights:
     r"""PPO-EWMA proximal weights (Hilton et al., "Batch size-invariance for policy optimization",
-    arXiv 2110.00641): θ̄_n = β θ̄_{n−1} + (1−β) θ_n after each optimizer step, θ̄_0 = 0, and the
-    bias-corrected θ̂_n = θ̄_n / (1 − βⁿ) is the proximal policy. Kept on the host in fp32: one copy of this rank's
-    parameters (its ZeRO-3 partition: 2·M/R for 16-bit weights; under ZeRO 0–2 the whole model, 2·M per rank), plus
-    one parameter at a time while updating or swapping in (issue 20, item 8: it held three fp32 copies).
+    arXiv 2110.00641). Kept on the host in fp32: one copy of this rank's parameters (its ZeRO-3 partition: 2·M/R for
+    16-bit weights; under ZeRO 0–2 the whole model, 2·M per rank), plus one parameter at a time while updating or
+    swapping in (issue 20, item 8: it held three fp32 copies). Two styles (``--algo.prox_ewma_style``):
 
-    ``decay="auto"`` (``--algo.prox_ewma_decay auto``): each update passes its own β_n, and the bias correction
-    is 1 − Π_k β_k (the same identity: θ̄_n holds 1 − Π_k β_k of total weight). A fixed decay keeps the
-    original βⁿ arithmetic.
+    - ``hilton`` (as published, openai/ppo-ewma): the average starts at θ₀ with weight W₀ = 1 and, after each
+      optimizer step, W_n = β W_{n−1} + 1, θ̄_n = (β W_{n−1} θ̄_{n−1} + θ_n) / W_n: the weights β^{n−k}/W_n over
+      θ_0..θ_n, with no bias correction. The trainer recomputes π_prox from θ̄ for every minibatch.
+    - ``batch`` (ours before issue 28): θ̄_n = β θ̄_{n−1} + (1−β) θ_n from θ̄_0 = 0, bias-corrected
+      θ̂_n = θ̄_n / (1 − βⁿ) (θ₀ gets no weight); π_prox computed once per rollout batch.
+
+    ``decay="auto"`` (``--algo.prox_ewma_decay auto``): each update passes its own β_n; in ``batch`` the bias
+    correction is then 1 − Π_k β_k (θ̄_n holds 1 − Π_k β_k of total weight). A fixed decay keeps the original βⁿ.
     """
 
-    def __init__(self, decay):
-        self.decay = decay
+    def __init__(self, decay, style: str = "batch"):
+        if style not in EWMA_STYLES:
+            raise ValueError(f"unknown EWMA style {style!r}; expected one of {EWMA_STYLES}")
+        self.decay, self.style = decay, style
         self.n = 0
-        self.kept = 1.0  # Π_k β_k over the updates so far: the weight θ̄_0 = 0 still holds
+        self.kept = 1.0  # batch: Π_k β_k over the updates so far: the weight θ̄_0 = 0 still holds
+        self.total = 1.0  # hilton: W_n, the sum of the (undecayed) weights β^{n-k} over θ_0..θ_n
         self._avg: Optional[State] = None
+
+    def start(self, module: torch.nn.Module) -> None:
+        """hilton: θ̄_0 = θ₀ (this rank's storage of every parameter, fp32 on the host), W_0 = 1."""
+        self._avg = {name: storage(p).detach().float().cpu().clone() for name, p in module.named_parameters()}
+        self.total = 1.0
 
     def update(self, module: torch.nn.Module, decay: Optional[float] = None) -> None:
         """Average in the module's weights; ``decay`` is this update's β (required when ``self.decay`` is auto)."""
         beta = self.decay if decay is None else decay
         if beta == "auto":
             raise ValueError("EwmaWeights(decay='auto').update needs this step's decay")
+        if self.style == "hilton":
+            if self._avg is None:
+                raise RuntimeError("EwmaWeights(style='hilton') needs start(module) with θ₀ before the first update")
+            total = beta * self.total + 1.0
+            keep, new = beta * self.total / total, 1.0 / total
+        else:
+            keep, new = beta, 1 - beta
         first = self._avg is None
         if first:
             self._avg = {}
@@ -164,16 +184,21 @@ class EwmaWeights:
             t = storage(p).detach().float().cpu()
             if first:
                 self._avg[name] = torch.zeros_like(t)
-            self._avg[name].mul_(beta).add_(t, alpha=1 - beta)
+            self._avg[name].mul_(keep).add_(t, alpha=new)
             del t
         self.n += 1
         self.kept *= beta
+        if self.style == "hilton":
+            self.total = total
 
     def state(self) -> Optional["_Scaled"]:
-        """θ̂_n by name, bias-corrected one tensor at a time on access (a read-only mapping): the swap reads each
-        parameter once, so the host holds the average plus one parameter, not a second fp32 copy of the model."""
+        """The proximal weights by name (a read-only mapping, one tensor at a time on access: the swap reads each
+        parameter once, so the host holds the average plus one parameter). batch: θ̂_n, bias-corrected; hilton: θ̄_n
+        itself (θ₀ before the first update)."""
         if self._avg is None:
             return None
+        if self.style == "hilton":
+            return _Scaled(self._avg, 1.0)
         correction = 1 - (self.kept if self.decay == "auto" else self.decay**self.n)
         return _Scaled(self._avg, 1.0 / correction)
 
@@ -181,12 +206,26 @@ class EwmaWeights:
         return state_bytes(self._avg) if self._avg else 0
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "n": self.n, "kept": self.kept, "avg": self._avg}
+        return {
+            "decay": self.decay,
+            "n": self.n,
+            "kept": self.kept,
+            "avg": self._avg,
+            "style": self.style,
+            "total": self.total,
+        }
 
     def load_state_dict(self, d: dict) -> None:
+        style = d.get("style", "batch")  # checkpoints written before issue 28 hold the batch style
+        if style != self.style:
+            raise ValueError(
+                f"the checkpoint's EWMA weights were averaged with --algo.prox_ewma_style {style}, this run asks for "
+                f"{self.style}: resume with --algo.prox_ewma_style {style}."
+            )
         self.decay, self.n, self._avg = d["decay"], d["n"], d["avg"]
         # checkpoints written before "kept" existed had a fixed decay
         self.kept = d.get("kept", self.decay**self.n if self.decay != "auto" else 1.0)
+        self.total = d.get("total", 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------

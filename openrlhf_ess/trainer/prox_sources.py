@@ -36,7 +36,12 @@ class ProxSources:
             self.snapshots = prox.WeightSnapshots(algo.prox_snapshots if algo.prox_mode == "snapshot" else 1)
             self.snapshots.put(weight_version, self.module)
         elif algo.prox_mode == "ewma":
-            self.ewma = prox.EwmaWeights(algo.prox_ewma_decay)
+            decay = algo.prox_ewma_decay
+            if algo.prox_ewma_ref_batch is not None:  # Hilton's rule: β_ref^(B / B_ref)
+                decay = corrections.ewma_decay_for_batch(decay, args.train.batch_size, algo.prox_ewma_ref_batch)
+            self.ewma = prox.EwmaWeights(decay, algo.prox_ewma_style)
+            if self.ewma.style == "hilton":  # θ̄_0 = θ₀ with weight 1 (a resume replaces it with the saved average)
+                self.ewma.start(self.module)
         # --algo.prox_ewma_decay auto: the version lag of the tokens scored since the last optimizer step
         # (sum, count), the optimizer steps per version (counted between syncs) and the β last used
         self._lag_sum, self._lag_count, self._lag = 0.0, 0, 0.0
@@ -79,6 +84,21 @@ class ProxSources:
         steps = self._optimizer_steps_seen - self._steps_at_sync
         if steps > 0:
             self._steps_per_version, self._steps_at_sync = float(steps), self._optimizer_steps_seen
+
+    @property
+    def per_minibatch(self) -> bool:
+        """--algo.prox_ewma_style hilton: π_prox is recomputed from the average for every minibatch."""
+        return self.ewma is not None and self.ewma.style == "hilton"
+
+    def minibatch_log_probs(self, forward) -> torch.Tensor:
+        """hilton: ``forward()`` (the actor's no-grad log-probs of this minibatch's actions) with the EWMA weights
+        θ̄ as they are now, between two optimizer steps (Hilton et al.'s π_prox; every rank at once under ZeRO-3)."""
+        t0 = time.time()
+        with self._swapped(self.ewma.state()):
+            out = forward()
+        self._forwards += 1
+        self._seconds += time.time() - t0
+        return out
 
     def _swapped(self, state):
         """The module with ``state``'s weights for one block (all ranks together under ZeRO-3)."""

@@ -37,10 +37,13 @@ def main() -> None:
     p.add_argument("--zero_stage", type=int, default=2)
     p.add_argument("--mode", default="snapshot")
     p.add_argument("--persistence_threshold", type=int, default=None)
+    p.add_argument("--ewma_style", default=None)
     a = p.parse_args()
     if "RANK" not in os.environ:
         single_process_env()
     extra = ["--vllm.num_engines", "1", "--algo.kl.init_coef", "0", "--algo.prox_mode", a.mode]
+    if a.ewma_style:
+        extra += ["--algo.prox_ewma_style", a.ewma_style]
     overrides = None
     if a.persistence_threshold is not None:
         overrides = {"stage3_param_persistence_threshold": a.persistence_threshold}
@@ -67,11 +70,14 @@ def main() -> None:
     # The weights after every optimizer step, gathered (the test's independent EWMA is built from these):
     # training_step is where the trainer sees an optimizer step happen.
     step_states = []
+    minibatch_prox = []  # (optimizer steps before it, π_prox its loss used, its sequences, its action count)
     inner_step = trainer.training_step
 
     def recording_step(*args, **kwargs):
         steps = model.model.global_steps
         status = inner_step(*args, **kwargs)
+        exp = args[0]  # the minibatch: its action_log_probs are the π_prox the step's loss used
+        minibatch_prox.append((len(step_states), exp.action_log_probs.clone(), exp.sequences.clone()))
         if model.model.global_steps > steps:
             step_states.append(full_state(module, a.zero_stage))
         return status
@@ -112,6 +118,7 @@ def main() -> None:
         "ewma": dict(trainer.ewma.state().items()) if trainer.ewma is not None else None,  # materialised: a dict
         "metrics": trainer.prox_metrics(),
         "step_states": step_states,
+        "minibatch_prox": minibatch_prox,
         "partitioned": sum(1 for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel),
         "persistent": sum(1 for p in params if getattr(p, "ds_persist", False)),
         "numels": [getattr(p, "ds_numel", p.numel()) for p in params],

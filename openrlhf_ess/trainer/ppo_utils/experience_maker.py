@@ -14,9 +14,9 @@ import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as _UpstreamRemoteExperienceMaker
 from openrlhf.utils.utils import zero_pad_sequences
 
-from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES, routing_replay_on, sampling_mask_on
+from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES, opob_on, routing_replay_on, sampling_mask_on
 from openrlhf_ess.models import corrections
-from openrlhf_ess.trainer import routing_replay
+from openrlhf_ess.trainer import opob, routing_replay
 from openrlhf_ess.trainer.ppo_utils.samples_generator import kept_or_untruncated, versions_or_untagged
 from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
@@ -34,6 +34,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         ours.last_metrics: Dict[str, float] = {}
         ours.prox_store = ours.consumed = None  # set by the controller in interrupt / dedicated modes
         ours._samples_in_flight, ours._actor_forwards = None, 0
+        ours._opob_norms = None  # --algo.advantage.baseline opob: per micro-batch (B,) norms of the last forward
         return ours
 
     def split_rollout_samples(self, rollout_samples):
@@ -78,7 +79,24 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         if routing_replay_on(self.args) and group in (self.actor_model_group, self.initial_model_group):
             # π_prox and π_ref forwards replay the engine's experts (trainer/routing_replay.py)
             kwargs["rollout_routes"] = [s.rollout_routes for s in self._samples_in_flight]
-        return super()._dispatch_forward(group, sync_condition, **kwargs)
+        refs = super()._dispatch_forward(group, sync_condition, **kwargs)
+        if group is self.actor_model_group and opob_on(self.args):
+            # the actor's forward appended θ's per-sample gradient norms as a last column (trainer/opob.py)
+            stripped, self._opob_norms = opob.split_norms(ray.get(refs), self._duplicate_factor())
+            refs = [ray.put(results) for results in stripped]
+        return refs
+
+    def compute_advantages_and_returns(self, experiences):
+        """Extends upstream's only with --algo.advantage.baseline opob: the group baseline becomes VCPO's b*
+        (trainer/opob.py); its metrics join this batch's (opob/*)."""
+        if not opob_on(self.args):
+            return super().compute_advantages_and_returns(experiences)
+        experiences, metrics = opob.replace_baseline(
+            self, experiences, super().compute_advantages_and_returns, self._opob_norms
+        )
+        self._opob_norms = None
+        self.last_metrics.update(metrics)
+        return experiences
 
     def _duplicate_factor(self) -> int:
         """Upstream's ``duplicate_factor``: copies of each result returned by ring-attention / TP ranks."""

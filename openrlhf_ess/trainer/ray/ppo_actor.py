@@ -10,9 +10,12 @@ found from its flag in one hop:
 - sequence-level TIS (``--algo.tis_level seq``): ``models/loss.py``
 - truncated-support log-probs (``--algo.sampling_mask keep``): ``trainer/sampling_mask.py``
 - MoE routing replay (``--algo.routing_replay``): ``trainer/routing_replay.py``
+- VCPO's optimal baseline (``--algo.advantage.baseline opob``): ``trainer/opob.py``
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from openrlhf_ess import cpu_compat
 
@@ -24,7 +27,7 @@ from openrlhf.trainer.ray import ppo_actor as _upstream  # noqa: E402
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
-from openrlhf_ess.trainer import carried, ess_lr, kl_k2, routing_replay, sampling_mask, saving  # noqa: E402
+from openrlhf_ess.trainer import carried, ess_lr, kl_k2, opob, prox, routing_replay, sampling_mask, saving  # noqa: E402
 from openrlhf_ess.trainer.prox_sources import ProxSources  # noqa: E402
 from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
 
@@ -99,6 +102,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     def _training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         if not self.args.algo.kl.off_policy_k2_enable and self.prox.ewma is None:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
+        if self.prox.per_minibatch:  # PPO-EWMA as published: π_prox from the average as it is now (prox_sources.py)
+            experience.action_log_probs = self.prox.minibatch_log_probs(lambda: self._no_grad_log_probs(experience))
         if self.args.algo.kl.off_policy_k2_enable:
             with kl_k2.context(experience.rollout_log_probs, self.args.algo, experience.action_mask):
                 status = self._k2_training_step(experience, kl_ctl, step, loss_batch_info)
@@ -106,6 +111,17 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             status = super().training_step(experience, kl_ctl, step, loss_batch_info)
         self.prox.after_optimizer_step()
         return status
+
+    @torch.no_grad()
+    def _no_grad_log_probs(self, experience) -> torch.Tensor:
+        """The actor's log-probs of ``experience``'s actions, as upstream's training_step's forward computes them
+        (same call, no gradient): the per-minibatch π_prox forward of --algo.prox_ewma_style hilton."""
+        return self.actor(
+            experience.sequences,
+            experience.action_mask,
+            attention_mask=experience.attention_mask,
+            ring_attn_group=self.strategy.ring_attn_group,
+        )
 
     def ppo_train(self, kl_ctl: float):
         """Wraps upstream's ppo_train: with ESS LR, this rollout's optimizer steps run at the scaled LR.
@@ -266,17 +282,26 @@ class PolicyModelActorImpl(_UpstreamPolicyModelActor):
         with (
             routing_replay.applied(self.actor, rollout_routes, attention_mask=attention_mask),
             sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.trainer.stop_ids),
+            self._opob_norms(sequences, action_mask) as norms,
         ):
             current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
-            if rollout_versions is None:
-                return current
+            if rollout_versions is not None:
 
-            def forward_again():
-                return super(PolicyModelActorImpl, self).forward(
-                    sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
-                )
+                def forward_again():
+                    return super(PolicyModelActorImpl, self).forward(
+                        sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
+                    )
 
-            return self.trainer.proximal_log_probs(current, rollout_versions, forward_again)
+                current = self.trainer.proximal_log_probs(current, rollout_versions, forward_again)
+        # --algo.advantage.baseline opob: θ's per-sample LM-head gradient norms ride as one last column (opob.py)
+        return current if norms is None else opob.with_norms(current, norms[0])
+
+    def _opob_norms(self, sequences, action_mask):
+        """--algo.advantage.baseline opob: capture the norms in this forward (``trainer/opob.py``); else nothing."""
+        if not config.opob_on(self.strategy.args):
+            return contextlib.nullcontext()
+        head = prox.output_head(prox.causal_lm(self.actor.model))
+        return opob.norms_captured(head, sequences, action_mask, self.actor.temperature)
 
 
 PolicyModelActor = ray.remote(num_gpus=1)(PolicyModelActorImpl)

@@ -1,0 +1,111 @@
+r"""VCPO's off-policy optimal baseline (OPOB), the maths (shared/DESIGN.md §9; VCPO, arXiv 2602.17616).
+
+Notation: trajectory i of a baseline set G (the n samples of one prompt), reward R_i, sequence-level importance
+weight w_i (1 on-policy), and g_i = ∇_θ log π_θ(τ_i) = Σ_t ∇_θ log π_θ(y_t | s_t). The IS-weighted estimator
+ĝ = Σ_i w_i (R_i − b) g_i has trace variance Σ_i w_i² (R_i − b)² ‖g_i‖² − ‖E ĝ‖² (for independent i), which is
+minimised by
+
+    b* = Σ_{i∈G} w_i² ‖g_i‖² R_i / Σ_{i∈G} w_i² ‖g_i‖²          A_i = R_i − b*                       (OPOB)
+
+At w ≡ 1 it is the on-policy optimal baseline (Greensmith et al., 2004); with all w_i ‖g_i‖ equal it is the group
+mean, so GRPO's / REINFORCE-baseline's mean is the special case of equal norms and weights.
+
+Which parameters ‖g_i‖ covers: the LM head's weight W (V × H, logits z_t = W h_t), exactly, by the ghost-norm
+identity of a linear layer (Goodfellow, 2015, "Efficient per-example gradient computations"):
+
+    ∇_W log π(τ_i) = (1/τ) Σ_t m_t a_t h_tᵀ,   a_t = e_{y_t} − p_t,   p_t = softmax(z_t / τ)
+    ‖∇_W log π(τ_i)‖²_F = (1/τ²) Σ_{t,s} m_t m_s (a_t · a_s)(h_t · h_s)
+    a_t · a_s = [y_t = y_s] − p_t[y_s] − p_s[y_t] + p_t · p_s
+
+from the activations the old-log-prob forward already has, with no backward and no V × H gradient. Data
+parallelism and ZeRO 0–3 partition parameters, gradients and optimizer states, never a sample's activations: the
+rank that forwards trajectory i holds all of h and z for it, so the norm needs no collective. Tensor-parallel LM
+heads (vocabulary-sharded logits) and sequence parallelism (ring attention) would split them; pre-flight refuses
+those. The body's parameters are not covered: the measured reason and its cost are in docs/opob.md.
+
+Memory per sequence of A action positions (beyond the forward's own logits): four A × A fp32 matrices
+(A = 4096: 256 MiB) and one A × C fp32 block of probabilities (C = ``vocab_chunk``). Compute: A²·V multiply-adds
+for p_t · p_s, less than the LM head's own forward (A·V·H) whenever A < H.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+OPOB_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
+VOCAB_CHUNK = 16384  # columns of softmax probabilities held at once (A × C fp32)
+
+
+def optimal_baseline(
+    rewards: torch.Tensor, weights: torch.Tensor, sq_norms: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    r"""b* per trajectory: Σ_G w² ‖g‖² R / Σ_G w² ‖g‖² over its group (VCPO's OPOB, module docstring).
+
+    Args:
+        rewards: (N,) R_i, N = groups × ``group_size``, group g = rows [g·n, (g+1)·n) (upstream's prompt order).
+        weights: (N,) sequence-level IS weights w_i (ones on-policy).
+        sq_norms: (N,) ‖g_i‖².
+        group_size: n, the samples per prompt.
+    Returns:
+        (N,) float64, each row its group's b*. A group whose Σ w²‖g‖² is 0 (no response token anywhere, or every
+        weight 0) gets its plain mean: the estimator is then 0 whatever the baseline.
+    """
+    r = rewards.to(torch.float64).reshape(-1, group_size)
+    c = (weights.to(torch.float64) ** 2 * sq_norms.to(torch.float64)).reshape(-1, group_size)
+    total = c.sum(-1, keepdim=True)
+    weighted = (c * r).sum(-1, keepdim=True) / total.clamp(min=torch.finfo(torch.float64).tiny)
+    b = torch.where(total > 0, weighted, r.mean(-1, keepdim=True))
+    return b.expand_as(r).reshape(-1)
+
+
+def lm_head_sq_grad_norms(
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float = 1.0,
+    vocab_chunk: int = VOCAB_CHUNK,
+) -> torch.Tensor:
+    r"""‖∇_W Σ_t m_t log softmax(z_t/τ)[y_t]‖²_F per row, W the LM head's weight (ghost-norm identity, module docs).
+
+    Args:
+        hidden: (B, A, H) h_t, the LM head's inputs at the positions whose logits score the actions.
+        logits: (B, A, V) z_t = W h_t (before temperature).
+        tokens: (B, A) y_t, the action tokens those positions score.
+        mask: (B, A) m_t, 1 on scored actions.
+        temperature: τ of the forward (π = softmax(z/τ)).
+        vocab_chunk: columns of p held at once.
+    Returns:
+        (B,) float32 ‖g_i^W‖², computed in fp32 (fp64 when the inputs are fp64).
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out = []
+    for b in range(logits.shape[0]):
+        keep = mask[b].bool()
+        h = hidden[b][keep].to(dtype)  # (A', H)
+        z = logits[b][keep].to(dtype) / temperature  # (A', V)
+        y = tokens[b][keep].long()
+        if h.shape[0] == 0:
+            out.append(torch.zeros((), dtype=dtype, device=logits.device))
+            continue
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        pp = torch.zeros(h.shape[0], h.shape[0], dtype=dtype, device=z.device)  # p_t · p_s
+        for start in range(0, z.shape[1], vocab_chunk):
+            p = torch.exp(z[:, start : start + vocab_chunk] - lse)
+            pp += p @ p.T
+        q = torch.exp(z[:, y] - lse)  # q[t, s] = p_t[y_s]
+        same = (y[:, None] == y[None, :]).to(dtype)
+        aa = same - q - q.T + pp
+        out.append((aa * (h @ h.T)).sum() / temperature**2)
+    return torch.stack(out).float() if dtype == torch.float32 else torch.stack(out)
+
+
+def opob_shift(upstream_baseline: torch.Tensor, opob_baseline: torch.Tensor, scale: Optional[torch.Tensor] = None):
+    r"""What to add to upstream's per-sample advantage to replace its baseline by b*: (b_up − b*) · s.
+
+    For RLOO (b_up = the leave-one-out mean), Dr. GRPO (the group mean) s = 1; for GRPO (``group_norm``,
+    A = (R − mean)/(std + ε)) s = 1/(std + ε), the same scale upstream divides by. All (N,)."""
+    shift = upstream_baseline.to(torch.float64) - opob_baseline.to(torch.float64)
+    return shift if scale is None else shift * scale.to(torch.float64)
