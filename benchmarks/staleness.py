@@ -66,6 +66,13 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "TIS + interrupt": TIS + ["--algo.prox_mode", "interrupt"],
     "TIS + dedicated": TIS + ["--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "0.2"],
     "TIS + loglinear": TIS + ["--algo.prox_mode", "loglinear"],
+    # Issue 28: VCPO in full (ESS-LR + its off-policy optimal baseline, sequence-level truncated IS), OPOB alone,
+    # VCPO over the exact π_prox, and PPO-EWMA as Hilton et al. published it (β per optimizer step, θ0 included,
+    # π_prox recomputed for every minibatch)
+    "VCPO": ["--algo.vcpo_enable", "--algo.tis_cap", "2", "--algo.tis_level", "seq"],
+    "OPOB": ["--algo.advantage.baseline", "opob"],
+    "VCPO + snapshot": ["--algo.vcpo_enable", "--algo.tis_cap", "2", "--algo.tis_level", "seq"] + SNAPSHOT,
+    "TIS + EWMA (Hilton)": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "hilton"],
 }
 ALL_CORRECTIONS = {**CORRECTIONS, **EXTRA_CORRECTIONS}
 STALENESS: Dict[str, List[str]] = {
