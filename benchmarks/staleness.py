@@ -95,6 +95,10 @@ CURVES = (
     "train/tis/clip_frac",
     "train/digit_fraction",
     "train/ppo_clip_ratio",
+    "train/timing/generation",
+    "train/timing/make_experience",
+    "train/timing/ppo_train",
+    "train/timing/step_total",
 )
 # The tasks: the monotone digit reward (tiny/reward.py) and the interior optimum f* = 0.5 (tiny/reward_target.py)
 TASKS = ("digits", "target")
@@ -137,8 +141,17 @@ def run_once(a, world: dict, flags: List[str], run_dir: str, seed: int) -> Dict[
     cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray", *run_flags(a, world, run_dir, seed), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "offline"}
     t0 = time.time()
+    preexec = None
+    if a.pin_engine_core:
+        # The vLLM CPU worker binds itself to core 0 (VLLM_CPU_OMP_THREADS_BIND=auto: "core ids=[0]" in the log);
+        # the driver, Ray, the trainer and everything else inherit the other cores: generation and training
+        # overlap on separate cores, as on GPUs, instead of competing for both.
+        others = sorted(os.sched_getaffinity(0) - {0})
+        preexec = lambda: os.sched_setaffinity(0, others)  # noqa: E731
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800).returncode
+        rc = subprocess.run(
+            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800, preexec_fn=preexec
+        ).returncode
     if rc != 0:
         raise RuntimeError(f"run failed ({rc}): see {run_dir}/log.txt")
     scalars = read_scalars(os.path.join(run_dir, "tb"))
@@ -218,6 +231,63 @@ def _reach_cell(reach: List[float], n_runs: int) -> str:
     if not reach:
         return "never"
     return _span(reach, "{:.1f}") + (f" / {n_runs - len(reach)} never" if len(reach) < n_runs else "")
+
+
+def time_to_reward(curve_wall: List[List[float]], threshold: float, window: int = 4):
+    """Seconds since launch at which the ``window``-step moving average of the reward first reaches ``threshold``
+    (None: never); ``curve_wall`` = [(seconds since launch, reward), ...] in step order."""
+    values = [v for _, v in curve_wall]
+    for i in range(window - 1, len(values)):
+        if statistics.mean(values[i - window + 1 : i + 1]) >= threshold:
+            return curve_wall[i][0]
+    return None
+
+
+def write_time_to_reward_table(results: dict, path: str, command: str, window: int) -> None:
+    """time_to_reward.md: seconds to 0.95 x sync's final reward (4-step moving average), start-up (launch to the
+    first logged step), generation vs training time per step, per configuration (mean [min, max] over seeds)."""
+    sync = [r for k, runs in results.items() if k.startswith("sync | ") for r in runs]
+    if not sync:
+        return
+    target = 0.95 * statistics.mean(final_reward(r["train/reward"], window) for r in sync)
+    lines = [
+        "# Time to reward: raw results",
+        "",
+        f"Command: `{command}`. Threshold = 0.95 x sync's final reward (mean of its seeds' last {window} steps) "
+        f"= {target:.3f}; time = seconds from launch until the 4-step moving average of the reward reaches it "
+        "(runs that never do are counted after the slash). Start-up = launch to the first logged step. "
+        "Generation / training = per-step medians of timing/generation and timing/make_experience + "
+        "timing/ppo_train. Every cell: mean [min, max] over seeds.",
+        "",
+        "| staleness | correction | time to threshold (s) | start-up (s) | run (s) | generation / step (s) "
+        "| training / step (s) | gen / train | final reward | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, runs in results.items():
+        level, name = key.split(" | ")
+        times = [t for t in (time_to_reward(r[WALL], target) for r in runs) if t is not None]
+        starts = [r[WALL][0][0] for r in runs if r[WALL]]
+        gen = [
+            statistics.median(v for _, v in r["train/timing/generation"])
+            for r in runs
+            if r.get("train/timing/generation")
+        ]
+        train = [
+            statistics.median(
+                a + b for (_, a), (_, b) in zip(r["train/timing/make_experience"], r["train/timing/ppo_train"])
+            )
+            for r in runs
+            if r.get("train/timing/ppo_train")
+        ]
+        ratio = f"{statistics.mean(gen) / statistics.mean(train):.1f}" if gen and train else "–"
+        lines.append(
+            f"| {level} | {name} | {_reach_cell(times, len(runs))} | {_span(starts, '{:.0f}') if starts else '–'} "
+            f"| {_wall_cell(runs)} | {_span(gen, '{:.2f}') if gen else '–'} "
+            f"| {_span(train, '{:.2f}') if train else '–'} "
+            f"| {ratio} | {_span([final_reward(r['train/reward'], window) for r in runs])} | {len(runs)} |"
+        )
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def write_target_table(results: dict, path: str, command: str, window: int, target: float) -> None:
@@ -493,6 +563,11 @@ def render(results: dict, out: str, command: str, levels: List[str], task: str) 
     else:
         write_table(results, os.path.join(out, "results.md"), command, window=8)
         extra = []
+    if any(k.startswith("sync | ") for k in results) and any(
+        r.get("train/timing/generation") for v in results.values() for r in v
+    ):
+        write_time_to_reward_table(results, os.path.join(out, "time_to_reward.md"), command, window=8)
+        extra.append(os.path.join(out, "time_to_reward.md"))
     return plot(results, out, levels) + extra + [plot_comparison(results, out, task)]
 
 
@@ -516,6 +591,12 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="where runs are written (default: a new temp dir)")
     parser.add_argument(
         "--from-json", default=None, help="only re-render results.md and the plots from a results.json (no runs)"
+    )
+    parser.add_argument(
+        "--pin-engine-core",
+        action="store_true",
+        help="time-to-reward setting: the vLLM worker on core 0 (its own binding), everything else on the other "
+        "cores, so generation and training really overlap (docs/time_to_reward.md)",
     )
     add_model_arguments(parser)
     a = parser.parse_args()

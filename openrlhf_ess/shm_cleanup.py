@@ -12,17 +12,17 @@ Who creates them. Every vLLM engine's processes (the engine actor, its EngineCor
 Ray ends an engine actor's processes with signals at shutdown (and the whole process group when one dies), so
 neither ``__del__`` nor the resource tracker runs, and the files stay: 57 after ~30 runs.
 
-What the CLI does (:class:`ShmWatch`): while the run lives, a thread looks every :data:`INTERVAL_S` seconds at
-the /dev/shm files that the CLI's own process tree (the driver, its private Ray instance, Ray's workers, their vLLM
-processes) has mapped or open (``/proc/<pid>/maps``, ``/proc/<pid>/fd``), and records them by inode. When the run
-ends (exit 0, an error, SIGTERM: Ray's driver handler turns it into ``sys.exit``, SIGINT: ``KeyboardInterrupt``;
-an ``atexit`` hook, after Ray's own shutdown), it waits a few seconds for the tree to exit and removes the recorded
-files that still exist (the same inode under the name seen, a semaphore under any ``sem.`` name) and that no
-process outside the run maps or holds open (the run's processes carry :data:`RUN_ENV`, set before Ray starts, so
-one the watch never sampled still counts as the run's). A file no process of this run was seen using is never
-touched, so another run's files (or anything else in /dev/shm) are safe. Not covered: a file created and
-abandoned between two looks, SIGKILL of the CLI itself, and the nodes of a cluster joined with --ray.address
-(their processes are not the CLI's children).
+What the CLI does (:class:`ShmWatch`): while the run lives, a thread looks every :data:`INTERVAL_S` seconds at the
+/dev/shm files that the CLI's own process tree (the driver, its private Ray instance, Ray's workers, their vLLM
+processes) has mapped or open (``/proc/<pid>/maps``, ``/proc/<pid>/fd``), and records them by inode. When the run ends
+(exit 0, an error, SIGTERM/SIGHUP: ``signals.py``, SIGINT: ``KeyboardInterrupt``; one last :meth:`ShmWatch.sample` just
+before Ray's shutdown, then an ``atexit`` hook, after it), it waits a few seconds for the tree to exit and removes the
+recorded files that still exist (the same inode under the name seen, a semaphore under any ``sem.`` name) and that no
+process outside the run maps or holds open (the run's processes carry :data:`RUN_ENV`, set before Ray starts, so one
+the watch never sampled still counts as the run's). A file no process of this run was seen using is never touched, so
+another run's files (or anything else in /dev/shm) are safe. Not covered: a file created and abandoned between two
+looks, SIGKILL of the CLI itself, and the nodes of a cluster joined with --ray.address (their processes are not the
+CLI's children).
 """
 
 from __future__ import annotations

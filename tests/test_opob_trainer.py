@@ -50,9 +50,11 @@ def _batch(seed=0):
                 action_log_probs=mu + 0.3 * torch.randn(4, 6, generator=g),
                 rollout_log_probs=mu,
                 index=index,
-                info={},
+                info={"reward": None},
             )
         )
+    for exp in exps:
+        exp.info["reward"] = exp.rewards.clone()  # what upstream logs as train/reward
     norms = [torch.rand(4, generator=g) * 5 + 0.1 for _ in exps]
     return exps, norms
 
@@ -118,6 +120,7 @@ def test_advantages_use_the_optimal_baseline(estimator, tis_cap):
             expected = torch.full((int(m.sum()),), raw[i], dtype=torch.float64)
             torch.testing.assert_close(exp.advantages[r][m].double(), expected, rtol=1e-5, atol=1e-5)
             assert exp.rewards[r].item() == pytest.approx(R[i])  # the reward itself is kept
+            assert exp.info["reward"][r].item() == pytest.approx(R[i])  # and so is the logged one
     assert metrics["opob/baseline"] == pytest.approx(sum(b.values()) / len(b), rel=1e-6)
     assert metrics["opob/grad_norm_rel_spread"] > 0
 

@@ -151,7 +151,7 @@ def _probe_gpu_nodes(address: str, timeout_s: float = 120.0) -> dict:
 
 def watch_shared_memory() -> shm_cleanup.ShmWatch:
     """Record the /dev/shm files this run's processes use (vLLM's psm_* message queues, multiprocessing's sem.mp-*)
-    and remove those still there when the CLI exits: exit 0, an error, SIGTERM (Ray's driver handler exits), SIGINT
+    and remove those still there when the CLI exits: exit 0, an error, SIGTERM/SIGHUP (``signals.py``), SIGINT
     (``openrlhf_ess/shm_cleanup.py``; Ray ends the engines' processes with signals, so vLLM never unlinks them)."""
     watch = shm_cleanup.ShmWatch().start()
 

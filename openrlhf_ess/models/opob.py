@@ -23,9 +23,10 @@ rank that forwards trajectory i holds all of h and z for it, so the norm needs n
 heads (vocabulary-sharded logits) and sequence parallelism (ring attention) would split them; pre-flight refuses
 those. The body's parameters are not covered: the measured reason and its cost are in docs/opob.md.
 
-Memory per sequence of A action positions (beyond the forward's own logits): four A × A fp32 matrices
-(A = 4096: 256 MiB) and one A × C fp32 block of probabilities (C = ``vocab_chunk``). Compute: A²·V multiply-adds
-for p_t · p_s, less than the LM head's own forward (A·V·H) whenever A < H.
+Memory per sequence of A action positions (beyond the forward's own logits, which are read in column blocks and
+never copied whole): a few A × A fp32 matrices (64 MiB each at A = 4096) and a few A × C fp32 blocks
+(C = ``vocab_chunk``, 64 MiB each at A = 4096). Compute: A²·V multiply-adds for p_t · p_s, besides the A·V·H of
+the LM head's own forward; measured in ``benchmarks/opob_cost.py`` (docs/opob.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Optional
 import torch
 
 OPOB_ESTIMATORS = ("reinforce_baseline", "rloo", "group_norm", "dr_grpo")
-VOCAB_CHUNK = 16384  # columns of softmax probabilities held at once (A × C fp32)
+VOCAB_CHUNK = 4096  # columns of softmax probabilities held at once (A × C fp32: 64 MiB at A = 4096)
 
 
 def optimal_baseline(
@@ -72,33 +73,37 @@ def lm_head_sq_grad_norms(
 
     Args:
         hidden: (B, A, H) h_t, the LM head's inputs at the positions whose logits score the actions.
-        logits: (B, A, V) z_t = W h_t (before temperature).
+        logits: (B, A, V) z_t = W h_t (before temperature). Read in (A, C) column blocks, never copied whole.
         tokens: (B, A) y_t, the action tokens those positions score.
         mask: (B, A) m_t, 1 on scored actions.
         temperature: τ of the forward (π = softmax(z/τ)).
-        vocab_chunk: columns of p held at once.
+        vocab_chunk: C, the columns of probabilities held at once.
     Returns:
-        (B,) float32 ‖g_i^W‖², computed in fp32 (fp64 when the inputs are fp64).
+        (B,) float32 ‖g_i^W‖², computed in fp32 (fp64 when the logits are fp64).
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    vocab = logits.shape[-1]
     out = []
     for b in range(logits.shape[0]):
-        keep = mask[b].bool()
-        h = hidden[b][keep].to(dtype)  # (A', H)
-        z = logits[b][keep].to(dtype) / temperature  # (A', V)
-        y = tokens[b][keep].long()
-        if h.shape[0] == 0:
-            out.append(torch.zeros((), dtype=dtype, device=logits.device))
-            continue
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)
-        pp = torch.zeros(h.shape[0], h.shape[0], dtype=dtype, device=z.device)  # p_t · p_s
-        for start in range(0, z.shape[1], vocab_chunk):
-            p = torch.exp(z[:, start : start + vocab_chunk] - lse)
+        z, m = logits[b], mask[b].to(dtype)  # (A, V) view, (A,)
+        y = tokens[b].long()
+
+        def block(start: int) -> torch.Tensor:
+            return z[:, start : start + vocab_chunk].to(dtype) / temperature
+
+        # logsumexp over V in column blocks: a running max, then the sum of exp below it
+        top = torch.stack([block(c).amax(-1) for c in range(0, vocab, vocab_chunk)]).amax(0)
+        total = sum(torch.exp(block(c) - top[:, None]).sum(-1) for c in range(0, vocab, vocab_chunk))
+        lse = (top + torch.log(total))[:, None]  # (A, 1)
+        pp = torch.zeros(z.shape[0], z.shape[0], dtype=dtype, device=z.device)  # p_t · p_s
+        for c in range(0, vocab, vocab_chunk):
+            p = torch.exp(block(c) - lse)
             pp += p @ p.T
-        q = torch.exp(z[:, y] - lse)  # q[t, s] = p_t[y_s]
+        q = torch.exp(z[:, y].to(dtype) / temperature - lse)  # q[t, s] = p_t[y_s]
         same = (y[:, None] == y[None, :]).to(dtype)
-        aa = same - q - q.T + pp
-        out.append((aa * (h @ h.T)).sum() / temperature**2)
+        h = hidden[b].to(dtype)
+        aa = (same - q - q.T + pp) * (h @ h.T)
+        out.append((m @ aa @ m) / temperature**2)
     return torch.stack(out).float() if dtype == torch.float32 else torch.stack(out)
 
 

@@ -108,7 +108,9 @@ def replace_baseline(maker, experiences, upstream_compute, sq_norms: Optional[Li
     if estimator == "reinforce_baseline":
         rewards = _in_prompt_order(experiences, [exp.rewards for exp in experiences])
         b = opob.optimal_baseline(rewards, weights, norms, n)
-        raw = [exp.rewards for exp in experiences]
+        # upstream's length-penalty step copies exp.rewards into info["reward"] (the logged reward): both are put
+        # back afterwards, so the shift reaches the advantages only
+        raw = [(exp.rewards, exp.info.get("reward")) for exp in experiences]
         for exp, shifted in zip(experiences, _back_to_experiences(experiences, rewards - b)):
             exp.rewards = shifted.to(exp.rewards.dtype)
         saved = (algo.advantage.estimator, maker.advantage_estimator)
@@ -117,8 +119,10 @@ def replace_baseline(maker, experiences, upstream_compute, sq_norms: Optional[Li
             experiences = upstream_compute(experiences)
         finally:
             algo.advantage.estimator, maker.advantage_estimator = saved
-        for exp, r in zip(experiences, raw):
+        for exp, (r, logged) in zip(experiences, raw):
             exp.rewards = r
+            if logged is not None:
+                exp.info["reward"] = logged
         b_up = rewards.reshape(-1, n).mean(-1, keepdim=True).expand(-1, n).reshape(-1)
     else:
         experiences = upstream_compute(experiences)  # length penalties applied to exp.rewards in place
