@@ -254,18 +254,22 @@ def write_time_to_reward_table(results: dict, path: str, command: str, window: i
         "# Time to reward: raw results",
         "",
         f"Command: `{command}`. Threshold = 0.95 x sync's final reward (mean of its seeds' last {window} steps) "
-        f"= {target:.3f}; time = seconds from launch until the 4-step moving average of the reward reaches it "
-        "(runs that never do are counted after the slash). Start-up = launch to the first logged step. "
+        f"= {target:.3f}; time = seconds until the 4-step moving average of the reward reaches it, from the start "
+        "of training step 1 (start-up excluded) and from launch (runs that never do are counted after the slash). "
         "Generation / training = per-step medians of timing/generation and timing/make_experience + "
         "timing/ppo_train. Every cell: mean [min, max] over seeds.",
         "",
-        "| staleness | correction | time to threshold (s) | start-up (s) | run (s) | generation / step (s) "
+        "| staleness | correction | training time to threshold (s) | time to threshold from launch (s) "
+        "| first step logged (s) | run (s) | generation / step (s) "
         "| training / step (s) | gen / train | final reward | seeds |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, runs in results.items():
         level, name = key.split(" | ")
         times = [t for t in (time_to_reward(r[WALL], target) for r in runs) if t is not None]
+        # training time: from the start of step 1 (its logged wall time minus its own duration), start-up excluded
+        begin = [r[WALL][0][0] - r["train/timing/step_total"][0][1] for r in runs if r[WALL]]
+        train_times = [t - b for t, b in zip((time_to_reward(r[WALL], target) for r in runs), begin) if t is not None]
         starts = [r[WALL][0][0] for r in runs if r[WALL]]
         gen = [
             statistics.median(v for _, v in r["train/timing/generation"])
@@ -281,7 +285,8 @@ def write_time_to_reward_table(results: dict, path: str, command: str, window: i
         ]
         ratio = f"{statistics.mean(gen) / statistics.mean(train):.1f}" if gen and train else "–"
         lines.append(
-            f"| {level} | {name} | {_reach_cell(times, len(runs))} | {_span(starts, '{:.0f}') if starts else '–'} "
+            f"| {level} | {name} | {_reach_cell(train_times, len(runs))} | {_reach_cell(times, len(runs))} "
+            f"| {_span(starts, '{:.0f}') if starts else '–'} "
             f"| {_wall_cell(runs)} | {_span(gen, '{:.2f}') if gen else '–'} "
             f"| {_span(train, '{:.2f}') if train else '–'} "
             f"| {ratio} | {_span([final_reward(r['train/reward'], window) for r in runs])} | {len(runs)} |"

@@ -74,9 +74,7 @@ def _expected_baselines(exps, norms, tis_cap=None):
         for r, i in enumerate(exp.index):
             m = exp.action_mask[r].double()
             log_w = ((exp.action_log_probs[r].double() - exp.rollout_log_probs[r].double()) * m).sum() / m.sum()
-            w = math.exp(log_w.item())
-            if tis_cap is not None:
-                w = min(w, tis_cap)
+            w = min(math.exp(log_w.item()), tis_cap) if tis_cap is not None else 1.0  # no IS in the loss: w = 1
             rows[i] = (exp.rewards[r].item(), w, nrm[r].item())
     out = {}
     for g in range(len(rows) // N):

@@ -8,8 +8,8 @@ Two places, one concern:
   back with the log-probs as one extra last column (:func:`with_norms` / :func:`split_norms`), so upstream's
   result plumbing is untouched and no other call is made.
 - controller (:func:`replace_baseline`): the group baseline of upstream's estimator is replaced by
-  b* = Σ w²‖g‖²R / Σ w²‖g‖² over each prompt's n samples (the set VCPO defines it on), w_i the sequence IS weight
-  exp(mean_t log π_prox/μ) (``--algo.ess_lr_weight`` form, truncated at ``--algo.tis_cap`` when set; 1 without μ).
+  b* = Σ w²‖g‖²R / Σ w²‖g‖² over each prompt's n samples (the set VCPO defines it on), w_i the IS weight the loss
+  applies: min(exp(mean_t log π_prox/μ), C) with ``--algo.tis_cap C``, 1 without one (or without μ).
   RLOO, Dr. GRPO, GRPO: upstream's advantages are shifted by (b_up − b*)·s afterwards (s = 1/(std + ε) for GRPO),
   which is exact because they are not whitened. REINFORCE-baseline (whitened over the batch): R − b* goes through
   upstream's own ``reinforce`` path, i.e. the same cumulative returns and whitening without its mean baseline.
@@ -67,9 +67,11 @@ def split_norms(per_actor: list, duplicate_factor: int):
 
 
 def sequence_weights(exp, algo) -> torch.Tensor:
-    """(B,) w_i = exp(mean_t log π_prox/μ) (``--algo.ess_lr_weight``), truncated at ``--algo.tis_cap``; 1 without
-    μ (on-policy)."""
-    if exp.rollout_log_probs is None:
+    """(B,) the IS weight the run's estimator applies to each sample: w_i = min(exp(mean_t log π_prox/μ), C) with
+    ``--algo.tis_cap C`` (``--algo.ess_lr_weight`` form; exactly the sequence-level TIS weight, a sequence summary
+    of the token-level one); 1 without a TIS cap (the loss weights no sample: b* is then the on-policy optimal
+    baseline of the estimator actually used) or without μ."""
+    if exp.rollout_log_probs is None or algo.tis_cap is None:
         return torch.ones(exp.action_mask.shape[0], dtype=torch.float64)
     log_w, valid = corrections.sequence_log_weights(
         exp.action_log_probs, exp.rollout_log_probs, exp.action_mask, algo.ess_lr_weight
