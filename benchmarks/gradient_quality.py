@@ -98,7 +98,22 @@ CORRECTIONS = (
     "EWMA β=0.9 + TIS",
     "EWMA auto + TIS",
     "loglinear + TIS",
+    # Issue 28: VCPO's off-policy optimal baseline (docs/opob.md) in place of the group mean, with the estimator
+    # that has no IS weight (w = 1) and with VCPO's sequence-level TIS (w = min(geo-mean π_θN/μ, 2))
+    "OPOB",
+    "TIS (seq) + OPOB",
+    # the unbiased IS estimator: every sequence weighted by its full ratio Π_t π_θN/μ (no cap), with the group
+    # mean and with OPOB as its baseline: does removing the bias leave a variance that OPOB can take?
+    "IS (seq product)",
+    "IS (seq product) + OPOB",
 )
+# The loss each of these corrections runs once its advantages are rewritten (Tiny.rewritten_batch)
+OPOB_BASE = {
+    "OPOB": "none",
+    "TIS (seq) + OPOB": "TIS (seq)",
+    "IS (seq product)": "none",
+    "IS (seq product) + OPOB": "none",
+}
 # Which π_prox each correction feeds the loss as ``old_log_probs`` (keys of StaleBatch.prox).
 PROX_OF = {
     "none": "current",
@@ -111,6 +126,10 @@ PROX_OF = {
     "EWMA β=0.9 + TIS": "ewma",
     "EWMA auto + TIS": "ewma_auto",
     "loglinear + TIS": "loglinear",
+    "OPOB": "current",
+    "TIS (seq) + OPOB": "current",
+    "IS (seq product)": "current",
+    "IS (seq product) + OPOB": "current",
 }
 
 
@@ -394,7 +413,39 @@ class Tiny:
         return kl_gradient(lambda: self.log_probs(r), self.params, batch, kind)
 
     def gradient(self, r: Rollout, batch: StaleBatch, correction: str, stats: Optional[dict] = None) -> torch.Tensor:
+        if correction in OPOB_BASE:
+            batch, correction = self.rewritten_batch(r, batch, correction), OPOB_BASE[correction]
         return estimator_gradient(lambda: self.log_probs(r), self.params, batch, correction, stats)
+
+    def rewritten_batch(self, r: Rollout, batch: StaleBatch, correction: str) -> StaleBatch:
+        """``batch`` with its advantages rewritten for ``correction``: the baseline b = VCPO's optimal baseline per
+        prompt group ("OPOB" in the name; LM-head per-sample gradient norms at θ_N from the package's hook and
+        maths) or the group mean, and the IS weight w the estimator applies: 1 ("OPOB": the loss weights nothing),
+        the sequence TIS weight min(exp(mean_t log π_θN/μ), 2) (applied by the "TIS (seq)" loss), or the full
+        sequence ratio Π_t π_θN/μ ("seq product": multiplied into the advantage, the loss at ratio 1)."""
+        import dataclasses
+
+        from openrlhf_ess.models import opob as opob_maths
+        from openrlhf_ess.trainer import opob
+
+        log_ratio = (batch.prox["current"] - r.rollout_log_probs) * r.action_mask
+        if "seq product" in correction:
+            w = log_ratio.double().sum(-1).exp()
+        elif "TIS (seq)" in correction:
+            log_w, valid = corrections.sequence_log_weights(batch.prox["current"], r.rollout_log_probs, r.action_mask)
+            w = torch.where(valid, log_w.exp(), torch.zeros_like(log_w)).clamp(max=TIS_CAP)
+        else:
+            w = torch.ones(r.rewards.shape[0], dtype=torch.float64)
+        rewards = r.rewards.double()
+        if "OPOB" in correction:
+            with torch.no_grad(), opob.norms_captured(self.model.lm_head, r.sequences, r.action_mask, 1.0) as out:
+                self.log_probs(r)
+            b = opob_maths.optimal_baseline(rewards, w, out[0], self.n)
+        else:
+            b = rewards.view(-1, self.n).mean(-1, keepdim=True).expand(-1, self.n).reshape(-1)
+        scale = w if "seq product" in correction else torch.ones_like(w)
+        advantages = (scale * (rewards - b)).float()[:, None] * r.action_mask
+        return dataclasses.replace(batch, advantages=advantages)
 
 
 class EngineSampler:

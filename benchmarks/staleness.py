@@ -143,11 +143,13 @@ def run_once(a, world: dict, flags: List[str], run_dir: str, seed: int) -> Dict[
     t0 = time.time()
     preexec = None
     if a.pin_engine_core:
-        # The vLLM CPU worker binds itself to core 0 (VLLM_CPU_OMP_THREADS_BIND=auto: "core ids=[0]" in the log);
-        # the driver, Ray, the trainer and everything else inherit the other cores: generation and training
+        # The driver, Ray, the trainer and everything else inherit the cores but 0; the vLLM CPU worker binds
+        # itself to core 0 (VLLM_CPU_OMP_THREADS_BIND=0, forwarded to the engine's process: "core ids=[0]" in the
+        # log; with the default "auto" it would pick from the inherited cores). Generation and training then
         # overlap on separate cores, as on GPUs, instead of competing for both.
         others = sorted(os.sched_getaffinity(0) - {0})
         preexec = lambda: os.sched_setaffinity(0, others)  # noqa: E731
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         rc = subprocess.run(
             cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800, preexec_fn=preexec

@@ -187,6 +187,37 @@ class ShmWatch:
             self.seen.update(tree)
             self.files.update(found)
 
+    def end_processes(self, grace_s: float = 10.0) -> int:
+        """SIGTERM every recorded process of the run still alive (the same PID and start time as recorded; never the
+        watching process itself), SIGKILL those left after ``grace_s``; returns how many there were. By PID, never by
+        name: a re-parented vLLM EngineCore whose Ray actor died is still found, another run's process never is."""
+        import psutil
+
+        self.sample()
+        procs = []
+        for pid, created in list(self.seen):
+            if pid == self.root:
+                continue
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    procs.append(p)
+            except psutil.Error:
+                pass
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, left = psutil.wait_procs(procs, timeout=grace_s)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=5)
+        return len(procs)
+
     def cleanup(self, wait_s: float = 10.0) -> List[str]:
         """Stop watching, give the run's other processes ``wait_s`` seconds to exit, then remove the recorded
         files that still exist; returns the names removed."""

@@ -22,6 +22,7 @@ import sys
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 _state = {"received": None, "finished": False}
+_at_stop: list = []  # what a stopped run must still do when Ray's shutdown cannot be relied on (at_stop)
 
 
 class Stopped(SystemExit):
@@ -64,6 +65,28 @@ def install() -> None:
 def finished() -> None:
     """``main()`` has returned or is unwinding: a signal from now on only says the clean-up goes on."""
     _state["finished"] = True
+
+
+def at_stop(fn) -> None:
+    """Register ``fn`` for :func:`exit_now` (e.g. the run lock's release): run in registration order."""
+    _at_stop.append(fn)
+
+
+def exit_now(before=()) -> None:
+    """End this process after a stop signal without Ray: ``before`` (callables), then the :func:`at_stop`
+    functions, then ``os._exit(128 + signal)``. Used when the run's processes have been ended by PID, so that
+    ``ray.shutdown()`` (and Ray's atexit hook), which ends the process at once with exit code 1 and no further
+    clean-up when its raylet is gone, never runs."""
+    import os
+
+    for fn in list(before) + _at_stop:
+        try:
+            fn()
+        except Exception as e:  # one failed step must not keep the others from running
+            _say(f"clean-up step {getattr(fn, '__name__', fn)} failed: {e}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + _state["received"])
 
 
 def received():

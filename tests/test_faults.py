@@ -160,7 +160,7 @@ def _progress(point):
 _SAVING = ["--ckpt.save_steps", "1", "--algo.prox_audit_dir"]
 SIGNAL_POINTS = {
     "SIGHUP-while-ray-starts": (signal.SIGHUP, False, _ray_is_starting, []),
-    "SIGTERM-engine-up": (signal.SIGTERM, False, _engine_is_up, []),
+    "SIGTERM-group-engine-up": (signal.SIGTERM, True, _engine_is_up, []),
     "SIGTERM-mid-step": (signal.SIGTERM, False, _progress(("mid_step", 0)), _SAVING),
     "SIGTERM-group-mid-save": (signal.SIGTERM, True, _progress(("mid_save", 1)), _SAVING),
     "SIGINT-engine-up": (signal.SIGINT, False, _engine_is_up, []),

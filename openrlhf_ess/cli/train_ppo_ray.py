@@ -155,8 +155,8 @@ def watch_shared_memory() -> shm_cleanup.ShmWatch:
     (``openrlhf_ess/shm_cleanup.py``; Ray ends the engines' processes with signals, so vLLM never unlinks them)."""
     watch = shm_cleanup.ShmWatch().start()
 
-    def cleanup() -> None:
-        removed = watch.cleanup()
+    def cleanup(wait_s: float = 10.0) -> None:
+        removed = watch.cleanup(wait_s)
         if removed:
             shown = ", ".join(removed[:6]) + (f" and {len(removed) - 6} more" if len(removed) > 6 else "")
             print(
@@ -166,6 +166,7 @@ def watch_shared_memory() -> shm_cleanup.ShmWatch:
             )
 
     atexit.register(cleanup)
+    watch.sweep = cleanup  # train() calls it once more before ray.shutdown(), which may end the process at once
     return watch
 
 
@@ -189,6 +190,7 @@ def init_ray(args) -> Optional[shm_cleanup.ShmWatch]:
         # Short path: Ray's unix sockets live under it and are limited to ~107 characters.
         temp_dir = tempfile.mkdtemp(prefix="ray_ess_", dir="/tmp")
         atexit.register(shutil.rmtree, temp_dir, ignore_errors=True)
+        signals.at_stop(lambda: shutil.rmtree(temp_dir, ignore_errors=True))
     # Before ray.init: the hook that removes the run's /dev/shm files then runs after Ray's own atexit shutdown.
     watch = watch_shared_memory()
     # A worker that dies (OOM killer, segfault, ray.kill) takes its process group with it: without this a
@@ -695,9 +697,25 @@ def train(args) -> None:
 
         if watchdog is not None:
             watchdog.stop()
-        if watch is not None:  # one last look before Ray ends the processes: files made since the watch's last look
+        if watch is not None and signals.received() is not None:
+            end_after_a_signal(watch)  # does not return
+        if watch is not None:  # one last look before Ray ends the processes: files made since the last look
             watch.sample()
         ray.shutdown()
+
+
+def end_after_a_signal(watch: shm_cleanup.ShmWatch) -> None:
+    """A run on its private Ray instance, stopped by SIGTERM/SIGHUP: end it without relying on Ray.
+
+    When the whole process group was signalled (Slurm, Kubernetes), Ray's raylet may already be gone; then
+    ``ray.shutdown()`` ends this process at once (Ray's core worker: "the local Raylet is dead", exit 1) and no
+    atexit hook runs after it, and the vLLM engine processes, in their actor's own process group, outlive the run
+    (both seen: a psm_* file and an EngineCore left). So: every process of the run is ended by PID (SIGTERM, then
+    SIGKILL after 10 s), the run's /dev/shm files are removed, the run lock released, the Ray temp folder
+    removed, and the process exits with 128 + the signal (``signals.exit_now``)."""
+    ended = watch.end_processes(grace_s=10.0)
+    print(f"[openrlhf-ess] ended the run's {ended} other process(es) (Ray, its workers, vLLM), by PID", flush=True)
+    signals.exit_now(before=[lambda: watch.sweep(wait_s=0.0)])
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -735,6 +753,7 @@ def _main(argv: Optional[List[str]]) -> None:
         print(f"openrlhf-ess: error: {e}", file=sys.stderr)
         sys.exit(2)
     atexit.register(run_lock.release_all, locks)
+    signals.at_stop(lambda: run_lock.release_all(locks))
     os.environ[cpu_compat.DEVICE_ENV] = args.ray.accelerator  # forwarded to every Ray worker (_runtime_env)
     try:
         train(args)
