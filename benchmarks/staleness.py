@@ -143,17 +143,30 @@ def run_once(a, world: dict, flags: List[str], run_dir: str, seed: int) -> Dict[
     t0 = time.time()
     preexec = None
     if a.pin_engine_core:
-        # The driver, Ray, the trainer and everything else inherit the cores but 0; the vLLM CPU worker binds
-        # itself to core 0 (VLLM_CPU_OMP_THREADS_BIND=0, forwarded to the engine's process: "core ids=[0]" in the
-        # log; with the default "auto" it would pick from the inherited cores). Generation and training then
-        # overlap on separate cores, as on GPUs, instead of competing for both.
+        # The engine side on core 0, the training side on the others. The CLI and what it starts (the driver, Ray,
+        # the DeepSpeed trainer, the controllers) inherit the cores but 0; the vLLM CPU worker binds itself to
+        # core 0 (VLLM_CPU_OMP_THREADS_BIND=0: "core ids=[0]" in the log; "auto" would pick from the inherited
+        # cores), and EngineSide moves the rest of the engine (the Ray engine actor with vLLM's front end, and its
+        # EngineCore scheduler) there too as they appear. Generation and training then overlap on separate cores,
+        # as on GPUs, instead of competing for both.
         others = sorted(os.sched_getaffinity(0) - {0})
         preexec = lambda: os.sched_setaffinity(0, others)  # noqa: E731
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        rc = subprocess.run(
-            cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800, preexec_fn=preexec
-        ).returncode
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
+        pinner = EngineSide(proc.pid).start() if a.pin_engine_core else None
+        try:
+            rc = proc.wait(timeout=1800)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            if pinner is not None:
+                pinner.stop()
+    if pinner is not None:
+        with open(os.path.join(run_dir, "pinned.txt"), "w") as f:
+            f.write("\n".join(pinner.pinned) + "\n")
     if rc != 0:
         raise RuntimeError(f"run failed ({rc}): see {run_dir}/log.txt")
     scalars = read_scalars(os.path.join(run_dir, "tb"))
@@ -161,6 +174,50 @@ def run_once(a, world: dict, flags: List[str], run_dir: str, seed: int) -> Dict[
     curves[WALL] = reward_vs_wall(os.path.join(run_dir, "tb"), t0)
     curves["wall/total_s"] = time.time() - t0
     return curves
+
+
+class EngineSide:
+    """Moves the engine-side processes of one run (the Ray engine actor, vLLM's EngineCore and worker: found in the
+    CLI's process tree by their process titles) to core 0 as they appear, every 0.5 s; ``pinned`` lists them."""
+
+    PREFIXES = ("ray::RolloutRay", "VLLM::")
+
+    def __init__(self, root: int):
+        import threading
+
+        self.root, self.pinned, self._done = root, [], set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "EngineSide":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.5):
+            try:
+                procs = psutil.Process(self.root).children(recursive=True)
+            except psutil.Error:
+                continue
+            for p in procs:
+                try:
+                    name = p.name()
+                    if name.startswith(self.PREFIXES):
+                        # every thread, at every look: affinity is per thread, and threads started since inherit
+                        # their creator's
+                        for tid in os.listdir(f"/proc/{p.pid}/task"):
+                            os.sched_setaffinity(int(tid), {0})
+                        if p.pid not in self._done:
+                            self._done.add(p.pid)
+                            self.pinned.append(f"{p.pid} {name} -> core 0")
+                except (psutil.Error, OSError):
+                    pass
 
 
 def reward_vs_wall(tb_dir: str, t0: float) -> List[List[float]]:
