@@ -327,8 +327,11 @@ def write_time_to_reward_table(results: dict, path: str, command: str, window: i
         level, name = key.split(" | ")
         times = [t for t in (time_to_reward(r[WALL], target) for r in runs) if t is not None]
         # training time: from the start of step 1 (its logged wall time minus its own duration), start-up excluded
-        begin = [r[WALL][0][0] - r["train/timing/step_total"][0][1] for r in runs if r[WALL]]
-        train_times = [t - b for t, b in zip((time_to_reward(r[WALL], target) for r in runs), begin) if t is not None]
+        # (runs recorded before the per-step timings were kept have none: no training-time cell)
+        timed = [r for r in runs if r[WALL] and r.get("train/timing/step_total")]
+        begin = [r[WALL][0][0] - r["train/timing/step_total"][0][1] for r in timed]
+        reached = (time_to_reward(r[WALL], target) for r in timed)
+        train_times = [t - b for t, b in zip(reached, begin) if t is not None]
         starts = [r[WALL][0][0] for r in runs if r[WALL]]
         gen = [
             statistics.median(v for _, v in r["train/timing/generation"])
@@ -344,7 +347,8 @@ def write_time_to_reward_table(results: dict, path: str, command: str, window: i
         ]
         ratio = f"{statistics.mean(gen) / statistics.mean(train):.1f}" if gen and train else "–"
         lines.append(
-            f"| {level} | {name} | {_reach_cell(train_times, len(runs))} | {_reach_cell(times, len(runs))} "
+            f"| {level} | {name} | {_reach_cell(train_times, len(timed)) if timed else '–'} "
+            f"| {_reach_cell(times, len(runs))} "
             f"| {_span(starts, '{:.0f}') if starts else '–'} "
             f"| {_wall_cell(runs)} | {_span(gen, '{:.2f}') if gen else '–'} "
             f"| {_span(train, '{:.2f}') if train else '–'} "

@@ -142,6 +142,25 @@ def _tree(root: int) -> List[Tuple[int, float]]:
     return out
 
 
+def end_processes(procs, grace_s: float = 10.0) -> None:
+    """SIGTERM exactly these processes (psutil objects), then SIGKILL those still alive ``grace_s`` seconds later,
+    as schedulers stop a job."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, left = psutil.wait_procs(procs, timeout=grace_s)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=5)
+
+
 def _alive(seen: Iterable[Tuple[int, float]], exclude: int) -> List[int]:
     import psutil
 
@@ -188,34 +207,19 @@ class ShmWatch:
             self.files.update(found)
 
     def end_processes(self, grace_s: float = 10.0) -> int:
-        """SIGTERM every recorded process of the run still alive (the same PID and start time as recorded; never the
-        watching process itself), SIGKILL those left after ``grace_s``; returns how many there were. By PID, never by
-        name: a re-parented vLLM EngineCore whose Ray actor died is still found, another run's process never is."""
+        """End every recorded process of the run still alive (the same PID and start time as recorded; never the
+        watching process itself): :func:`end_processes`. Returns how many there were. By PID, never by name: a
+        re-parented vLLM EngineCore whose Ray actor died is still found, another run's process never is."""
         import psutil
 
         self.sample()
         procs = []
-        for pid, created in list(self.seen):
-            if pid == self.root:
-                continue
+        for pid in _alive(list(self.seen), self.root):
             try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    procs.append(p)
+                procs.append(psutil.Process(pid))
             except psutil.Error:
                 pass
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, left = psutil.wait_procs(procs, timeout=grace_s)
-        for p in left:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(left, timeout=5)
+        end_processes(procs, grace_s)
         return len(procs)
 
     def cleanup(self, wait_s: float = 10.0) -> List[str]:

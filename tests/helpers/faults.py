@@ -10,7 +10,6 @@ matched by name. The run's --ray.temp_dir folder is removed afterwards.
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import time
 import psutil
 
 from openrlhf_ess.shm_cleanup import SHM_DIR, files_of, mapped_shm
+from openrlhf_ess.shm_cleanup import end_processes as shm_end_processes
 from tests.helpers.e2e import REPO
 
 
@@ -92,19 +92,9 @@ class _Tree:
 
 
 def end_processes(procs, grace: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds, exactly these processes (psutil objects)."""
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, left = psutil.wait_procs(procs, timeout=grace)
-    for p in left:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(left, timeout=5)
+    """SIGTERM, then SIGKILL after ``grace`` seconds, exactly these processes (psutil objects): the package's own
+    routine (``openrlhf_ess.shm_cleanup.end_processes``, what a signalled run does to its processes)."""
+    shm_end_processes(procs, grace)
 
 
 class TrackedRun:
