@@ -198,21 +198,41 @@ class ShmWatch:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
-    def sample(self) -> None:
+    def sample(self, everywhere: bool = False) -> None:
+        """Record the tree's processes and the /dev/shm files they map. ``everywhere``: also every process that
+        carries the run's token (:data:`RUN_ENV`) wherever it is now: when a whole process group is signalled,
+        Ray's raylet dies first and the engine actors and vLLM's processes are re-parented out of the tree, some
+        before any periodic look saw them or their files."""
         tree = _tree(self.root)
+        if everywhere:
+            tree = sorted(set(tree) | set(self._carriers()))
         now = time.time()
         found = {key: (now, name) for pid, _ in tree for key, name in mapped_shm(pid).items()}
         with self._lock:
             self.seen.update(tree)
             self.files.update(found)
 
-    def end_processes(self, grace_s: float = 10.0) -> int:
-        """End every recorded process of the run still alive (the same PID and start time as recorded; never the
-        watching process itself): :func:`end_processes`. Returns how many there were. By PID, never by name: a
-        re-parented vLLM EngineCore whose Ray actor died is still found, another run's process never is."""
+    def _carriers(self) -> List[Tuple[int, float]]:
+        """(pid, start time) of every live process but this one that carries the run's token in its environment."""
         import psutil
 
-        self.sample()
+        out = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != self.root and _of_run(int(entry), self.token):
+                try:
+                    out.append((int(entry), psutil.Process(int(entry)).create_time()))
+                except psutil.Error:
+                    pass
+        return out
+
+    def end_processes(self, grace_s: float = 10.0) -> int:
+        """End every process of the run still alive (recorded in the tree, or carrying the run's token: the same
+        PID and start time; never the watching process itself): :func:`end_processes`. Returns how many there
+        were. By PID and token, never by name: a re-parented vLLM EngineCore whose Ray actor died is still found,
+        another run's process never is."""
+        import psutil
+
+        self.sample(everywhere=True)
         procs = []
         for pid in _alive(list(self.seen), self.root):
             try:
