@@ -138,9 +138,20 @@ def _ray_is_starting(run_dir, tree):
     return any("gcs_server" in cmd for _, cmd in list(tree.seen.values()))
 
 
+_PSM_FIRST_SEEN: dict = {}  # run folder -> when the test first saw the run's psm_* queue
+
+
 def _engine_is_up(run_dir, tree):
-    """The vLLM engine's processes map their psm_* message queues."""
-    return any(name.startswith("psm_") for name in list(tree.shm_names))
+    """The vLLM engine's processes map their psm_* message queues, and have for 3 of the CLI's 2-s looks at its
+    run's files (shm_cleanup.INTERVAL_S): a queue created and abandoned between two looks is the documented limit
+    of what a run can remove (docs/faults.md §9); signalled the moment the file appeared, whether the run had seen
+    it was a race this test lost under load."""
+    from openrlhf_ess.shm_cleanup import INTERVAL_S
+
+    if not any(name.startswith("psm_") for name in list(tree.shm_names)):
+        return False
+    first = _PSM_FIRST_SEEN.setdefault(run_dir, time.time())
+    return time.time() - first >= 3 * INTERVAL_S
 
 
 def _progress(point):
