@@ -104,8 +104,6 @@ def ray_init():
     try:
         yield
     except SystemExit as e:
-        signal.alarm(0)
-        install()
         if not isinstance(e, Stopped) and e.code in STOP_SIGNALS:  # Ray's driver handler: sys.exit(signum)
             try:
                 _handler(e.code, None)

@@ -25,8 +25,6 @@ import torch
 
 from openrlhf_ess.models import corrections, opob
 
-NORM_KEY = "opob_sq_norms"  # the stash attribute on the experience maker
-
 
 @contextlib.contextmanager
 def norms_captured(head: torch.nn.Module, sequences, action_mask, temperature: float) -> Iterator[List]:
@@ -77,7 +75,7 @@ def sequence_weights(exp, algo) -> torch.Tensor:
         exp.action_log_probs, exp.rollout_log_probs, exp.action_mask, algo.ess_lr_weight
     )
     w = torch.where(valid, log_w.exp(), torch.zeros_like(log_w))
-    return w.clamp(max=algo.tis_cap) if algo.tis_cap is not None else w
+    return w.clamp(max=algo.tis_cap)
 
 
 def _in_prompt_order(experiences, per_exp: List[torch.Tensor]) -> torch.Tensor:
