@@ -169,8 +169,8 @@ def rebind(
 def run_train(args: types.SimpleNamespace, classes: Dict[str, Any]) -> None:
     """Run upstream's ``train(args)`` (the whole Ray job) with our classes substituted.
 
-    ``classes`` may hold ``PolicyModelActor``, ``ReferenceModelActor``, ``create_vllm_engines``, ``PPOTrainer``
-    and ``PPOTrainerAsync``; missing keys keep upstream's.
+    ``classes`` may hold ``PolicyModelActor``, ``ReferenceModelActor``, ``CriticModelActor``, ``RewardModelActor``,
+    ``create_vllm_engines``, ``PPOTrainer`` and ``PPOTrainerAsync``; missing keys keep upstream's.
     """
     module = upstream_cli_module()
     trainer_overrides = {}
@@ -179,7 +179,10 @@ def run_train(args: types.SimpleNamespace, classes: Dict[str, Any]) -> None:
     if "PPOTrainerAsync" in classes:
         trainer_overrides["openrlhf.trainer.ppo_trainer_async"] = {"PPOTrainerAsync": classes["PPOTrainerAsync"]}
     globals_override = {
-        k: v for k, v in classes.items() if k in ("PolicyModelActor", "ReferenceModelActor", "create_vllm_engines")
+        k: v
+        for k, v in classes.items()
+        if k
+        in ("PolicyModelActor", "ReferenceModelActor", "CriticModelActor", "RewardModelActor", "create_vllm_engines")
     }
     rebind(module.train, globals_override, trainer_overrides)(args)
 
@@ -270,6 +273,20 @@ def reference_actor_class() -> type:
     from openrlhf.trainer.ray.launcher import ReferenceModelActor
 
     return ray_actor_class(ReferenceModelActor)
+
+
+def critic_actor_class() -> type:
+    """The plain class behind upstream's ``CriticModelActor`` (for subclassing)."""
+    from openrlhf.trainer.ray.ppo_critic import CriticModelActor
+
+    return ray_actor_class(CriticModelActor)
+
+
+def reward_actor_class() -> type:
+    """The plain class behind upstream's ``RewardModelActor`` (for subclassing)."""
+    from openrlhf.trainer.ray.launcher import RewardModelActor
+
+    return ray_actor_class(RewardModelActor)
 
 
 def unwrap_model(strategy: Any, model: Any) -> Any:

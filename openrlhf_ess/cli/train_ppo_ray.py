@@ -647,9 +647,15 @@ def train(args) -> None:
     seconds (Ray fails every pending call on a dead actor) and is re-raised with our message.
     """
     from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActor
+    from openrlhf_ess.trainer.ray.rendezvous import role_classes
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
-    classes = {"PolicyModelActor": PolicyModelActor, "create_vllm_engines": create_vllm_engines(args)}
+    # Every trainer role draws its rendezvous port outside the ephemeral range (trainer/ray/rendezvous.py).
+    classes = {
+        **role_classes(),
+        "PolicyModelActor": PolicyModelActor,
+        "create_vllm_engines": create_vllm_engines(args),
+    }
     if config.sampling_mask_on(args) or config.routing_replay_on(args):  # π_ref over the kept support / replayed
         from openrlhf_ess.trainer.ray.ref_actor import ReferenceModelActor
 

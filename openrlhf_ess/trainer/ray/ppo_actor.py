@@ -29,6 +29,7 @@ from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
 from openrlhf_ess.trainer import carried, ess_lr, kl_k2, opob, prox, routing_replay, sampling_mask, saving  # noqa: E402
 from openrlhf_ess.trainer.prox_sources import ProxSources  # noqa: E402
+from openrlhf_ess.trainer.ray.rendezvous import RendezvousPort  # noqa: E402
 from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
 
 
@@ -206,7 +207,7 @@ _UpstreamPolicyModelActor = upstream.ray_actor_class(_upstream.PolicyModelActor)
 CHECKPOINT_KEY = "openrlhf_ess"  # our entry in DeepSpeed's client_state
 
 
-class PolicyModelActorImpl(_UpstreamPolicyModelActor):
+class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
     # Upstream's init, building our ActorPPOTrainer instead of upstream's.
     _upstream_init = upstream.with_actor_trainer(_UpstreamPolicyModelActor.init_model_from_pretrained, ActorPPOTrainer)
 

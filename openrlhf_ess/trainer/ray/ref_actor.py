@@ -17,9 +17,10 @@ import ray  # noqa: E402
 
 from openrlhf_ess import upstream  # noqa: E402
 from openrlhf_ess.trainer import routing_replay, sampling_mask  # noqa: E402
+from openrlhf_ess.trainer.ray.rendezvous import RendezvousPort  # noqa: E402
 
 
-class ReferenceModelActorImpl(upstream.reference_actor_class()):
+class ReferenceModelActorImpl(RendezvousPort, upstream.reference_actor_class()):
     def init_model_from_pretrained(self, strategy, pretrain):
         """Upstream's init, then the log-prob seam on its Actor and the engine's stop tokens."""
         super().init_model_from_pretrained(strategy, pretrain)
