@@ -23,11 +23,23 @@ the watch never sampled still counts as the run's). A file no process of this ru
 another run's files (or anything else in /dev/shm) are safe. Not covered: a file created and abandoned between two
 looks, SIGKILL of the CLI itself, and the nodes of a cluster joined with --ray.address (their processes are not the
 CLI's children).
+
+What SIGKILL leaves (issue 30, item 2). A run killed with SIGKILL (the OOM killer, preemption, Slurm after its
+grace period) runs no clean-up. So the watch also writes what it records to a ledger in a per-user state folder
+(:func:`state_dir`): the run's token, host, creator PID and start time, and each file's device, inode and name. A
+run that ends cleans up and deletes its ledger. At start-up every run calls :func:`sweep_dead_runs`: for each
+ledger of this host whose creator is gone, it ends the processes still carrying that run's token (orphans, by PID),
+then removes the recorded files that still exist and that no live process maps or holds open, and prints one line
+naming what was freed. A file it did not record, or one another process holds, is never touched. By hand, on a
+node where no later run starts: ``python -m openrlhf_ess.shm_cleanup`` (the same sweep; docs/faults.md).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import tempfile
 import threading
 import time
 from typing import Dict, Iterable, List, Optional, Set, Tuple
@@ -188,7 +200,10 @@ class ShmWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="openrlhf-ess-shm-watch", daemon=True)
         self._lock = threading.Lock()
-        self.token = os.environ.setdefault(RUN_ENV, f"{self.root}-{time.time():.6f}")  # before Ray starts
+        # Before Ray starts, so every process of the run inherits it; always a new one: a run started from another
+        # process that carries a token (a test session, a run's own child) must not share that run's identity.
+        self.token = os.environ[RUN_ENV] = f"{self.root}-{time.time():.6f}"
+        self.ledger = Ledger(self.token, self.root)
 
     def start(self) -> "ShmWatch":
         self._thread.start()
@@ -210,7 +225,10 @@ class ShmWatch:
         found = {key: (now, name) for pid, _ in tree for key, name in mapped_shm(pid).items()}
         with self._lock:
             self.seen.update(tree)
+            new = set(found) - set(self.files)
             self.files.update(found)
+            if new:  # for the next run, should this one be killed with SIGKILL before its clean-up
+                self.ledger.write(self.files)
 
     def _carriers(self) -> List[Tuple[int, float]]:
         """(pid, start time) of every live process but this one that carries the run's token in its environment."""
@@ -263,4 +281,169 @@ class ShmWatch:
             except OSError:
                 continue  # its owner removed it meanwhile, as it should
             removed.append(name)
+        self.ledger.remove()  # what is left is held by another process: never ours to remove
         return removed
+
+
+# ---- what SIGKILL leaves: the ledger and the next run's sweep ---------------------------------------------------
+
+STATE_ENV = "OPENRLHF_ESS_STATE_DIR"
+
+
+def state_dir() -> str:
+    """The per-user folder of the runs' ledgers: ``$OPENRLHF_ESS_STATE_DIR``, else ``$XDG_STATE_HOME/openrlhf-ess/shm``
+    (``~/.local/state/openrlhf-ess/shm``); ``<tmp>/openrlhf-ess-<uid>/shm`` where that cannot be created (a read-only
+    HOME). Per user, not per output folder: /dev/shm is per host, and the next run on the node may write elsewhere."""
+    if os.environ.get(STATE_ENV):
+        return os.environ[STATE_ENV]
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    folder = os.path.join(base, "openrlhf-ess", "shm")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    return os.path.join(tempfile.gettempdir(), f"openrlhf-ess-{os.getuid()}", "shm")
+
+
+def _start_time(pid: int) -> Optional[float]:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+class Ledger:
+    """One run's record of its /dev/shm files, for a later run to sweep should this one be SIGKILLed."""
+
+    def __init__(self, token: str, root: int, folder: Optional[str] = None):
+        self.folder = folder or state_dir()
+        self.path = os.path.join(self.folder, f"run-{token}.json")
+        self.head = {"token": token, "host": socket.gethostname(), "pid": root, "start": _start_time(root)}
+        self.failed = False
+
+    def write(self, files: Dict[Tuple[int, int], Tuple[float, str]]) -> None:
+        """Atomically replace the ledger with ``files`` ({(device, inode): (last seen, name)}). A folder that
+        cannot be written costs only the SIGKILL sweep, never the run."""
+        if self.failed:
+            return
+        record = dict(self.head, files=[[dev, ino, seen, name] for (dev, ino), (seen, name) in files.items()])
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            self.failed = True
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+def _read_ledger(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        record["files"] = {(dev, ino): (seen, name) for dev, ino, seen, name in record["files"]}
+        return record
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _carrying(token: str) -> List[int]:
+    """PIDs of the live processes that carry the run's token (:data:`RUN_ENV`), this one excepted."""
+    me = os.getpid()
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != me and _of_run(int(e), token)]
+
+
+class Swept:
+    """What :func:`sweep_dead_runs` freed: ``files`` (names), ``bytes`` (RAM they held), ``ended`` (PIDs of
+    orphans), ``runs`` (the dead runs' ``pid`` values); :meth:`message` is the one line the CLI prints (empty if
+    nothing was freed)."""
+
+    def __init__(self):
+        self.files: List[str] = []
+        self.bytes = 0
+        self.ended: List[int] = []
+        self.runs: List[int] = []
+
+    def message(self) -> str:
+        if not (self.files or self.ended):
+            return ""
+        shown = ", ".join(self.files[:6]) + (f" and {len(self.files) - 6} more" if len(self.files) > 6 else "")
+        text = (
+            f"freed {len(self.files)} shared-memory file(s) ({self.bytes / 2**20:.0f} MiB) in {SHM_DIR} that an "
+            f"earlier run (pid {', '.join(map(str, self.runs))}, gone without its clean-up: SIGKILL?) left"
+        )
+        text += f": {shown}" if self.files else ""
+        if self.ended:
+            text += (
+                f"; ended {len(self.ended)} of its process(es) still running (pid {', '.join(map(str, self.ended))})"
+            )
+        return text
+
+
+def sweep_dead_runs(folder: Optional[str] = None, own_token: Optional[str] = None, grace_s: float = 10.0) -> Swept:
+    """Remove what runs of this user on this host left in /dev/shm when they died without clean-up (module
+    docstring). A ledger whose creator (PID and start time) still lives is a running run's: skipped. Safe to call
+    from any number of runs at once: every removal re-checks that no live process maps or holds the file."""
+    import psutil
+
+    swept = Swept()
+    folder = folder or state_dir()
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.startswith("run-") and n.endswith(".json"))
+    except OSError:
+        return swept
+    host = socket.gethostname()
+    for name in names:
+        path = os.path.join(folder, name)
+        record = _read_ledger(path)
+        if record is None or record.get("host") != host or record.get("token") == own_token:
+            continue
+        if record.get("start") is not None and _start_time(record["pid"]) == record["start"]:
+            continue  # its creator runs: a live run's ledger
+        orphans = []
+        for pid in _carrying(record["token"]):
+            try:
+                orphans.append(psutil.Process(pid))
+            except psutil.Error:
+                pass
+        if orphans:
+            end_processes(orphans, grace_s)
+            swept.ended += [p.pid for p in orphans]
+        left = files_of(record["files"])
+        held = in_use_outside(()) if left else set()
+        kept, before = False, len(swept.files)
+        for shm_name in left:
+            file = os.path.join(SHM_DIR, shm_name)
+            try:
+                st = os.lstat(file)
+                if (st.st_dev, st.st_ino) in held:
+                    kept = True  # another process uses it: never ours to remove
+                    continue
+                os.unlink(file)
+            except OSError:
+                continue
+            swept.files.append(shm_name)
+            swept.bytes += st.st_blocks * 512  # the RAM it held: its touched pages (a queue's apparent size is more)
+        if len(swept.files) > before or orphans:
+            swept.runs.append(record["pid"])
+        if not kept:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    return swept
+
+
+if __name__ == "__main__":  # by hand, on a node where no later run will start: the same sweep as a run's start-up
+    result = sweep_dead_runs()
+    print(result.message() or f"nothing to free: no run of this user left files in {SHM_DIR} ({state_dir()})")

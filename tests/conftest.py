@@ -1,7 +1,10 @@
 """Shared fixtures: the offline tiny world, built once per test session under pytest's temp dir; and the
 session-wide check that every process the tests start ends with them (tests/helpers/leak_check.py)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -16,6 +19,10 @@ from tests.helpers.leak_check import (  # noqa: F401
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The runs' /dev/shm ledgers (openrlhf_ess/shm_cleanup.py) in the suite's own folder, not the user's state folder.
+if "OPENRLHF_ESS_STATE_DIR" not in os.environ:
+    os.environ["OPENRLHF_ESS_STATE_DIR"] = tempfile.mkdtemp(prefix="ess_state_")
+    atexit.register(shutil.rmtree, os.environ["OPENRLHF_ESS_STATE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

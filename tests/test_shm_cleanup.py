@@ -69,3 +69,91 @@ def test_files_their_owner_removed_are_not_reported(engine):
     for name in (psm, sem):
         os.unlink(f"/dev/shm/{name}")
     assert watch.cleanup(wait_s=1) == []
+
+
+# ---- what SIGKILL leaves, swept by the next run (issue 30, item 2) ------------------------------------------------
+
+
+def _dead_pid():
+    """A PID whose process has exited (and been reaped): a run's CLI killed with SIGKILL."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    return gone.pid
+
+
+def test_a_sigkilled_run_s_files_are_swept_by_the_next_run(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv(shm_cleanup.STATE_ENV, str(tmp_path))
+    child, psm, sem = engine
+    watch = shm_cleanup.ShmWatch(root=child.pid)  # the ledger's creator: the child, killed below
+    watch.sample()
+    ledgers = list(tmp_path.glob("run-*.json"))
+    assert len(ledgers) == 1  # written as soon as the watch saw a file
+    os.killpg(child.pid, signal.SIGKILL)  # no clean-up of any kind runs
+    child.wait(30)
+    assert os.path.exists(f"/dev/shm/{psm}") and os.path.exists(f"/dev/shm/{sem}")
+    held = sum(os.stat(f"/dev/shm/{n}").st_blocks * 512 for n in (psm, sem))  # RAM they hold (touched pages)
+    swept = shm_cleanup.sweep_dead_runs()
+    assert sorted(swept.files) == sorted([psm, sem]) and swept.runs == [child.pid]
+    assert not os.path.exists(f"/dev/shm/{psm}") and not os.path.exists(f"/dev/shm/{sem}")
+    assert swept.bytes == held > 0
+    assert "freed 2 shared-memory file(s)" in swept.message() and psm in swept.message()
+    assert not list(tmp_path.glob("run-*.json"))  # nothing left to sweep: the ledger goes too
+    assert shm_cleanup.sweep_dead_runs().message() == ""
+
+
+def test_the_sweep_never_touches_a_live_run_a_held_file_or_another_host(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv(shm_cleanup.STATE_ENV, str(tmp_path))
+    child, psm, sem = engine  # alive: it maps both files
+    held = shm_cleanup.mapped_shm(child.pid)
+    files = {key: (1e12, name) for key, name in held.items()}
+    live = shm_cleanup.Ledger("live-run", child.pid)  # its creator still runs
+    live.write(files)
+    dead = shm_cleanup.Ledger("dead-run", _dead_pid())  # creator gone, but its files are held by a live process
+    dead.head["start"] = 1.0
+    dead.write(files)
+    other = shm_cleanup.Ledger("other-host", _dead_pid())
+    other.head.update(start=1.0, host="another-node")
+    other.write(files)
+    swept = shm_cleanup.sweep_dead_runs()
+    assert swept.files == [] and swept.message() == ""
+    assert os.path.exists(f"/dev/shm/{psm}") and os.path.exists(f"/dev/shm/{sem}")
+    # all three ledgers kept: the live run's, the one whose files are held (a later run retries), the other node's
+    assert len(list(tmp_path.glob("run-*.json"))) == 3
+
+
+def test_the_sweep_ends_the_dead_run_s_orphans_by_token(tmp_path, monkeypatch):
+    """An engine process re-parented to init after its run's CLI was SIGKILLed carries the run's token: ended."""
+    monkeypatch.setenv(shm_cleanup.STATE_ENV, str(tmp_path))
+    env = dict(os.environ, **{shm_cleanup.RUN_ENV: "orphan-token"})
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env, start_new_session=True)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        ledger = shm_cleanup.Ledger("orphan-token", _dead_pid())
+        ledger.head["start"] = 1.0
+        ledger.write({})
+        swept = shm_cleanup.sweep_dead_runs(grace_s=5)
+        assert swept.ended == [orphan.pid] and orphan.wait(10) is not None
+        assert bystander.poll() is None  # no token: not ours
+        assert "ended 1 of its process(es) still running" in swept.message()
+    finally:
+        for p in (orphan, bystander):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+
+
+def test_the_state_folder_falls_back_when_home_is_read_only(tmp_path, monkeypatch):
+    monkeypatch.delenv(shm_cleanup.STATE_ENV, raising=False)
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o500)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    try:
+        folder = shm_cleanup.state_dir()
+        if os.getuid() == 0:  # root writes anywhere: the HOME folder is used
+            assert folder.startswith(str(home))
+        else:
+            assert folder.endswith(f"openrlhf-ess-{os.getuid()}/shm")
+    finally:
+        home.chmod(0o700)

@@ -177,6 +177,10 @@ def init_ray(args) -> Optional[shm_cleanup.ShmWatch]:
 
     if ray.is_initialized():
         return None
+    # What earlier runs killed with SIGKILL left in this node's /dev/shm (shm_cleanup.py: their ledgers).
+    swept = shm_cleanup.sweep_dead_runs().message()
+    if swept:
+        print(f"[openrlhf-ess] {swept}", flush=True)
     address = _ray_address(args)
     if address:
         # Under `ray job submit` the job may carry its own runtime env; Ray refuses to merge two that
