@@ -36,7 +36,7 @@ def _ds_files(folder: str, stage: int = 2, dp: int = 1) -> None:
     tiny tensors): model states (one per rank with ZeRO-3) and one optimizer states file per data-parallel rank."""
     os.makedirs(folder, exist_ok=True)
     meta = {"module": {"w": torch.zeros(4)}, "dp_world_size": dp, "mp_world_size": 1}
-    meta["ds_config"] = {"zero_optimization": {"stage": stage}}
+    meta["ds_config"] = {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}}  # hence bf16_ names
     models = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dp)] if stage == 3 else []
     for name in models or ["mp_rank_00_model_states.pt"]:
         torch.save(meta, os.path.join(folder, name))
@@ -333,7 +333,7 @@ BREAKS = {
     ),
     "missing-optimizer-shard": (
         lambda d: os.remove(f"{d}/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-        "is broken (the optimizer states of rank 0 are missing",
+        "is broken (the optimizer states of rank 0 are missing (bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt;",
     ),
     "no-model-states": (lambda d: os.remove(f"{d}/mp_rank_00_model_states.pt"), "is broken (no *_model_states.pt"),
 }
@@ -391,7 +391,7 @@ def test_a_zero3_checkpoint_missing_a_ranks_model_states_is_broken(tmp_path):
     folder = str(tmp_path / "global_step1")
     _ds_files(folder, stage=3, dp=2)
     assert resume.checkpoint_problem(folder) is None
-    assert resume.checkpoint_layout(folder) == {"zero_stage": 3, "dp": 2, "mp": 1}
+    assert resume.checkpoint_layout(folder) == {"zero_stage": 3, "dp": 2, "mp": 1, "bf16": True}
     os.remove(os.path.join(folder, "zero_pp_rank_1_mp_rank_00_model_states.pt"))
     assert resume.checkpoint_problem(folder) == (
         "zero_pp_rank_1_mp_rank_00_model_states.pt is missing (1 of the 2 model states files)"
@@ -484,3 +484,71 @@ def test_a_checkpoint_that_passes_the_checks_but_does_not_load_names_ckpt_flags_
     )
     assert f"Move its global_step* folder out of {tmp_path}/_actor" in message
     assert "check that folder" not in message
+
+
+# ---- issue 30, items 4 and 5: `latest` is followed; another run's checkpoint is refused; rotation after the save
+
+
+def test_resume_follows_latest_and_sets_a_newer_folder_aside(tmp_path):
+    """Run A left global_step4 in the folder; run B saved global_step2 there (DeepSpeed wrote `latest` =
+    global_step2). B's resume loads B's step 2, as upstream would, not A's step 4 (before: step 4, and B's model
+    became A's)."""
+    ckpt = str(tmp_path)
+    _fake_checkpoint(ckpt, 4, complete=True)  # A's
+    _fake_checkpoint(ckpt, 2, complete=True)  # B's, written last: `latest` names it
+    lines = []
+    restored = resume.prepare(ckpt, log=lines.append)
+    assert restored["global_step"] == 2
+    assert open(os.path.join(ckpt, "_actor", "latest")).read() == "global_step2"
+    assert "global_step4 is newer than global_step2, the checkpoint `latest` names" in lines[0], lines
+    assert os.listdir(os.path.join(ckpt, "_actor.incomplete"))[0].startswith("global_step4-")  # kept, not deleted
+
+
+def test_an_incomplete_latest_falls_back_to_the_one_before_it_not_to_a_newer_one(tmp_path):
+    ckpt = str(tmp_path)
+    _fake_checkpoint(ckpt, 6, complete=True, latest=False)  # another run's, newer
+    _fake_checkpoint(ckpt, 1, complete=True)
+    _fake_checkpoint(ckpt, 3, complete=False)  # `latest` names it; killed before the sidecar
+    assert resume.prepare(ckpt, log=lambda line: None)["global_step"] == 1
+
+
+class _Args:
+    def __init__(self, model, prompts, batch=8, n=4):
+        self.actor = types.SimpleNamespace(model_name_or_path=model)
+        self.data = types.SimpleNamespace(prompt_dataset=prompts)
+        self.rollout = types.SimpleNamespace(batch_size=batch, n_samples_per_prompt=n)
+
+
+def test_run_identity_names_what_differs(tmp_path):
+    a, b = tmp_path / "model_a", tmp_path / "model_b"
+    for folder, layers in ((a, 2), (b, 3)):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("{}\n")
+    saved = resume.run_identity(_Args(str(a), str(prompts)))
+    assert resume.identity_mismatch(saved, resume.run_identity(_Args(str(a), str(prompts)))) == []
+    moved = tmp_path / "moved"
+    shutil.copytree(a, moved)  # the same model at another path: the same run
+    assert resume.identity_mismatch(saved, resume.run_identity(_Args(str(moved), str(prompts)))) == []
+    differ = resume.identity_mismatch(saved, resume.run_identity(_Args(str(b), str(prompts), batch=16)))
+    assert [d[0] for d in differ] == ["--actor.model_name_or_path", "--rollout.batch_size"]
+    assert differ[0][1:] == (str(a), str(b)) and differ[1][1:] == (8, 16)
+
+
+def test_prune_keeps_the_new_checkpoint_and_evicts_as_upstream_does(tmp_path):
+    """After the new step was written: the oldest step folders beyond --ckpt.max_num go (no-metric ones first,
+    then the oldest), best* ones and the new one never."""
+    from openrlhf.utils.deepspeed.deepspeed import DeepspeedStrategy
+
+    from openrlhf_ess.trainer import saving
+
+    strategy = object.__new__(DeepspeedStrategy)  # its real metric reader; no distributed state needed
+    strategy.print = lambda *a: None
+    for i, name in enumerate(["global_step1", "global_step2", "best_step1", "global_step3"]):
+        os.makedirs(tmp_path / name)
+        os.utime(tmp_path / name, (1000 + i, 1000 + i))
+    deleted = saving.prune_checkpoints(strategy, str(tmp_path), max_num=1, keep="global_step3")
+    assert sorted(os.path.basename(d) for d in deleted) == ["global_step1", "global_step2"]
+    assert sorted(os.listdir(tmp_path)) == ["best_step1", "global_step3"]
+    assert saving.prune_checkpoints(strategy, str(tmp_path), max_num=1, keep="global_step3") == []

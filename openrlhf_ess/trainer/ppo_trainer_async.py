@@ -13,7 +13,7 @@ import ray  # noqa: E402
 from openrlhf.trainer import ppo_trainer_async as _upstream  # noqa: E402
 
 from openrlhf_ess import upstream  # noqa: E402
-from openrlhf_ess.trainer import resume  # noqa: E402
+from openrlhf_ess.trainer import resume, saving  # noqa: E402
 from openrlhf_ess.trainer.ppo_trainer import OffPolicyControllerMixin, ScoreAtSyncMixin  # noqa: E402
 from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
 
@@ -55,16 +55,16 @@ class TrainingActorImpl(OffPolicyControllerMixin, _UpstreamTraining, ScoreAtSync
         super().save_logs_and_checkpoints(global_step, logs_dict, client_states)
         if resume.applies(self.args) and global_step % self.args.ckpt.save_steps == 0:
             states = client_states or {}
-            resume.write_sidecar(
-                self.args.ckpt.path,
-                global_step,
-                {
-                    "replay": self._untrained_prompts,
-                    "episode": states.get("episode", 0),
-                    "prompts_trained": states.get("total_consumed_prompts", 0) - len(self._untrained_prompts),
-                    "weight_version": self.weight_version,
-                },
-            )
+            state = {
+                "replay": self._untrained_prompts,
+                "episode": states.get("episode", 0),
+                "prompts_trained": states.get("total_consumed_prompts", 0) - len(self._untrained_prompts),
+                "weight_version": self.weight_version,
+            }
+            try:
+                resume.write_sidecar(self.args.ckpt.path, global_step, state)
+            except OSError as e:  # a full disk: say so and what is kept, not a bare "[Errno 28]"
+                raise saving.checkpoint_write_error(e, self.args.ckpt.path, resume.tag_of(global_step)) from e
 
 
 GenerateSamplesActor = ray.remote(GenerateSamplesActorImpl)

@@ -21,6 +21,8 @@ well; regenerating costs one batch of generation and keeps every mode exact with
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pickle
 import re
@@ -30,6 +32,7 @@ import zipfile
 from typing import Callable, List, Optional
 
 SIDECAR = "openrlhf_ess_resume.pkl"  # inside DeepSpeed's tag folder; written last, so it marks completion
+IDENTITY = "openrlhf_ess_run.json"  # inside DeepSpeed's tag folder: which run wrote it (every run, sync or async)
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
@@ -63,6 +66,70 @@ def write_sidecar(ckpt_path: str, global_step: int, state: dict) -> Optional[str
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
+
+
+# ---- which run wrote a checkpoint (issue 30, item 4) ----------------------------------------------------------
+
+# What must be the same for a resume to continue the run that wrote the checkpoint: the weights it trains (the
+# model's config), the prompts the data loader's saved position indexes, and the sizes that position counts in.
+IDENTITY_KEYS = (
+    ("model_config", "--actor.model_name_or_path"),
+    ("prompt_dataset", "--data.prompt_dataset"),
+    ("rollout_batch_size", "--rollout.batch_size"),
+    ("n_samples_per_prompt", "--rollout.n_samples_per_prompt"),
+)
+
+
+def _local(spec: str) -> str:
+    return os.path.abspath(spec) if os.path.exists(spec) else spec
+
+
+def run_identity(args) -> dict:
+    """What identifies the run for its checkpoints (:data:`IDENTITY_KEYS`), plus the model's path for messages. The
+    model by the hash of its ``config.json`` (architecture, depth, sizes; the path may move between jobs), a hub id
+    by its name; the prompt datasets by absolute path."""
+    model = args.actor.model_name_or_path
+    digest = model
+    config = os.path.join(model, "config.json")
+    if os.path.isfile(config):
+        with open(config, "rb") as f:
+            digest = "sha256:" + hashlib.sha256(f.read()).hexdigest()[:16]
+    return {
+        "model": _local(model),
+        "model_config": digest,
+        "prompt_dataset": ",".join(_local(p.split("@")[0].strip()) for p in str(args.data.prompt_dataset).split(",")),
+        "rollout_batch_size": args.rollout.batch_size,
+        "n_samples_per_prompt": args.rollout.n_samples_per_prompt,
+    }
+
+
+def write_identity(ckpt_path: str, tag: str, identity: dict) -> None:
+    """Next to DeepSpeed's files of ``tag`` (rank 0, after its save returned); a folder DeepSpeed did not write
+    (--ckpt.disable_ds) gets nothing."""
+    folder = os.path.join(actor_dir(ckpt_path), tag)
+    if os.path.isdir(folder):
+        tmp = os.path.join(folder, f"{IDENTITY}.tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(identity, f, indent=1)
+        os.replace(tmp, os.path.join(folder, IDENTITY))
+
+
+def read_identity(folder: str) -> Optional[dict]:
+    try:
+        with open(os.path.join(folder, IDENTITY)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None  # written before openrlhf-ess recorded it: not checked
+
+
+def identity_mismatch(saved: dict, now: dict) -> List[tuple]:
+    """(flag, the checkpoint's value, this run's) for each :data:`IDENTITY_KEYS` entry that differs."""
+    out = []
+    for key, flag in IDENTITY_KEYS:
+        if key in saved and saved[key] != now.get(key):
+            shown = (saved.get("model"), now.get("model")) if key == "model_config" else (saved[key], now.get(key))
+            out.append((flag, *shown))
+    return out
 
 
 def read_sidecar(folder: str) -> Optional[dict]:
@@ -104,9 +171,10 @@ _OPTIM_STATES = re.compile(
 
 
 def checkpoint_layout(folder: str) -> Optional[dict]:
-    """``{"zero_stage", "dp", "mp"}`` of a DeepSpeed step folder, from its rank-0 model states file (unpickled with
-    its tensors memory-mapped, not read); None if it cannot be inspected here (no such file, or a class this
-    process cannot import: then DeepSpeed decides). Raises ``ValueError`` for a file that does not unpickle."""
+    """``{"zero_stage", "dp", "mp", "bf16"}`` of a DeepSpeed step folder, from its rank-0 model states file
+    (unpickled with its tensors memory-mapped, not read); None if it cannot be inspected here (no such file, or a
+    class this process cannot import: then DeepSpeed decides). Raises ``ValueError`` for a file that does not
+    unpickle."""
     names = sorted(n for n in os.listdir(folder) if _MODEL_STATES.match(n))
     if not names:
         return None
@@ -125,6 +193,7 @@ def checkpoint_layout(folder: str) -> Optional[dict]:
         "zero_stage": int(zero.get("stage", 0)),
         "dp": int(state["dp_world_size"]),
         "mp": int(state.get("mp_world_size", 1)),
+        "bf16": bool(((state.get("ds_config") or {}).get("bf16") or {}).get("enabled")),
     }
 
 
@@ -157,8 +226,10 @@ def checkpoint_problem(folder: str) -> Optional[str]:
     if layout["zero_stage"] >= 1 or optim:
         lost = [(r, m) for r in range(dp) for m in range(mp) if (r, m) not in optim]
         if lost:
+            # the name DeepSpeed gives it (_get_rank_zero_ckpt_name): "bf16_" first when the engine ran in bf16
+            prefix = "bf16_" if layout["bf16"] else ""
             return (
-                f"the optimizer states of rank {lost[0][0]} are missing (zero_pp_rank_{lost[0][0]}_mp_rank_"
+                f"the optimizer states of rank {lost[0][0]} are missing ({prefix}zero_pp_rank_{lost[0][0]}_mp_rank_"
                 f"{lost[0][1]:02d}_optim_states.pt; {len(lost)} of the {dp * mp} ranks that wrote it)"
             )
     return None
@@ -180,7 +251,9 @@ class Plan:
 
 
 def plan(ckpt_path: str, need_sidecar: bool) -> Optional[Plan]:
-    """The newest complete checkpoint under ``<ckpt_path>/_actor`` and the newer ones that are not (read only).
+    """The checkpoint ``latest`` names under ``<ckpt_path>/_actor`` (upstream's choice), or, if that one is not
+    complete, the newest complete one before it; and the ones not loaded: newer than ``latest``, or incomplete
+    (read only). Without a usable ``latest``, the newest complete one.
 
     Complete: :func:`checkpoint_problem` finds nothing (and the critic's folder of that step, if the run has one,
     too); in async runs (``need_sidecar``) also our sidecar, written after every rank's save returned. None when
@@ -194,8 +267,19 @@ def plan(ckpt_path: str, need_sidecar: bool) -> Optional[Plan]:
         result.upstream_tag = True
         return result
     critic = os.path.join(ckpt_path, "_critic")
+    followed = _TAG.match(latest) if latest is not None and os.path.isdir(os.path.join(folder, latest)) else None
     for step in reversed(result.steps):
         why = None
+        if followed is not None and step > int(followed.group(1)):
+            # upstream loads the tag `latest` names; a newer folder is not this run's last completed save
+            result.skipped.append(
+                (
+                    step,
+                    f"is newer than {latest}, the checkpoint `latest` names (DeepSpeed writes `latest` when a save "
+                    "completes): another run's save in this --ckpt.path, or one cut short",
+                )
+            )
+            continue
         if need_sidecar and read_sidecar(os.path.join(folder, tag_of(step))) is None:
             why = f"is incomplete (no {SIDECAR}: the job was killed while saving it)"
         else:

@@ -237,3 +237,30 @@ def checkpoint_write_error(e: BaseException, ckpt_path: str, tag: str) -> Option
         f"checkpoints written before are kept under {os.path.join(ckpt_path, '_actor')}. Make the folder writable "
         "(or free space), then run the same command with --ckpt.load_enable to continue from the last one."
     )
+
+
+def prune_checkpoints(strategy, save_dir: str, max_num: int, keep: str) -> List[str]:
+    """After the step checkpoint ``keep`` was written completely: delete the regular checkpoints beyond ``max_num``,
+    in upstream's eviction order (``DeepspeedStrategy.save_ckpt``: no metric first, then the worst metric, then the
+    oldest; ``best*`` ones never), never ``keep`` itself. Returns the folders deleted."""
+    import shutil
+
+    regular = [
+        os.path.join(save_dir, d)
+        for d in os.listdir(save_dir)
+        if os.path.isdir(os.path.join(save_dir, d)) and not d.startswith("best") and d != keep
+    ]
+    over = len(regular) + 1 - max_num
+    if over <= 0:
+        return []
+    metric = {path: strategy._read_ckpt_metric(path) for path in regular}
+    order = sorted(
+        regular,
+        key=lambda p: (metric[p] is not None, metric[p] if metric[p] is not None else 0.0, os.path.getmtime(p)),
+    )
+    deleted = []
+    for path in order[:over]:
+        shutil.rmtree(path, ignore_errors=True)
+        strategy.print(f"Deleted checkpoint {path} (--ckpt.max_num {max_num}; after {keep} was written)")
+        deleted.append(path)
+    return deleted

@@ -27,7 +27,17 @@ from openrlhf.trainer.ray import ppo_actor as _upstream  # noqa: E402
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
-from openrlhf_ess.trainer import carried, ess_lr, kl_k2, opob, prox, routing_replay, sampling_mask, saving  # noqa: E402
+from openrlhf_ess.trainer import (  # noqa: E402
+    carried,
+    ess_lr,
+    kl_k2,
+    opob,
+    prox,
+    resume,
+    routing_replay,
+    sampling_mask,
+    saving,
+)
 from openrlhf_ess.trainer.prox_sources import ProxSources  # noqa: E402
 from openrlhf_ess.trainer.ray.rendezvous import RendezvousPort  # noqa: E402
 from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
@@ -231,13 +241,25 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
         ours = self.trainer.checkpoint_state()
         if ours:
             client_states[CHECKPOINT_KEY] = ours
+        args = self.strategy.args
+        max_num = args.ckpt.max_num
         try:
-            return super().save_checkpoint(tag, client_states, metric_value, metric_key)
+            # Upstream's rotation deletes the oldest checkpoint *before* writing the new one: with --ckpt.max_num 1
+            # a failed save (a full disk) left none. One more is kept while the new one is written; the surplus
+            # goes only once it is complete (saving.prune_checkpoints).
+            args.ckpt.max_num = max_num + 1
+            saved = super().save_checkpoint(tag, client_states, metric_value, metric_key)
+            if self.strategy.is_rank_0():  # which run wrote it: a resume refuses another run's (trainer/resume.py)
+                resume.write_identity(args.ckpt.path, tag, resume.run_identity(args))
+                saving.prune_checkpoints(self.strategy, resume.actor_dir(args.ckpt.path), max_num, keep=tag)
+            return saved
         except (OSError, RuntimeError) as e:  # a folder that cannot be written: say why (torch's words hide it)
-            ours = saving.checkpoint_write_error(e, self.strategy.args.ckpt.path, tag)
+            ours = saving.checkpoint_write_error(e, args.ckpt.path, tag)
             if ours is None:
                 raise
             raise ours from e
+        finally:
+            args.ckpt.max_num = max_num
 
     def save_model(self):
         """Overrides upstream's final save (upstream's train() calls it once, after fit): the same weights and files
