@@ -359,13 +359,14 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--algo.prox_ewma_style",
         type=str,
-        default="batch",
+        default="hilton",
         choices=["hilton", "batch"],
-        help="ewma mode: hilton = PPO-EWMA as published (Hilton et al. 2021, openai/ppo-ewma): the average starts "
-        "at the initial weights with weight 1 (no bias correction) and pi_prox is a forward of the average "
-        "recomputed for every minibatch (one extra no-grad actor forward per minibatch). batch = ours before "
-        "issue 28: the average starts at 0 with bias correction 1/(1-beta^n), pi_prox computed once per rollout "
-        "batch and kept for every PPO epoch (docs/prox_modes.md).",
+        help="ewma mode: hilton (default) = PPO-EWMA as published (Hilton et al. 2021, openai/ppo-ewma): the "
+        "average starts at the initial weights with weight 1 (no bias correction) and pi_prox is a forward of the "
+        "average recomputed for every minibatch (one extra no-grad actor forward per minibatch). batch = ours "
+        "before issue 28, which measured it behind hilton at the same beta on both test rewards: the average "
+        "starts at 0 with bias correction 1/(1-beta^n), pi_prox computed once per rollout batch and kept for every "
+        "PPO epoch; kept to reproduce the recorded beta sweep (docs/prox_modes.md).",
     )
     group.add_argument(
         "--algo.prox_ewma_ref_batch",
@@ -684,9 +685,73 @@ def validate(args: types.SimpleNamespace) -> List[str]:
         )
     _validate_off_policy(args, notices)
     _validate_sampling_mask(args, notices)
-    if args.ds.param_dtype == "fp32" and not on_cpu:
-        notices.append("--ds.param_dtype fp32 on GPU: DeepSpeed trains in full precision (slower, exact).")
+    if not on_cpu:
+        _validate_gpu_path(args)
     return notices
+
+
+TRAINER_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # --ds.param_dtype -> torch's name
+
+
+def _validate_gpu_path(args: types.SimpleNamespace) -> None:
+    """Configurations that crash in the first minutes of a GPU run, refused before anything is placed (issue 29,
+    items 1-4). Each was read in upstream's and vLLM's GPU code; the CPU path takes other branches."""
+    if args.ds.param_dtype == "fp32":
+        # cpu_compat's fp32 patch returns before it on CUDA; upstream's convert_to_torch_dtype("fp32") raises
+        # "Invalid param_dtype" in the actor, reference and critic ranks.
+        raise ConfigError(
+            "--ds.param_dtype fp32 on GPU: upstream's DeepSpeed strategy accepts only bf16 and fp16 there (fp32 is "
+            "our CPU-only patch), so every model rank would fail to start. Use --ds.param_dtype bf16; for an fp32 "
+            "view of the policy, --vllm.fp32_lm_head (the engine's LM head) or --vllm.dtype float32 with "
+            "--vllm.sync_backend reload."
+        )
+    trainer = TRAINER_DTYPES.get(args.ds.param_dtype, args.ds.param_dtype)
+    if args.vllm.num_engines and args.vllm.dtype != trainer and args.vllm.sync_backend != RELOAD_BACKEND:
+        # upstream's broadcast sends dtype=param.dtype; vLLM's receiving worker asserts it equals the engine's.
+        raise ConfigError(
+            f"--vllm.dtype {args.vllm.dtype} with a {trainer} trainer (--ds.param_dtype {args.ds.param_dtype}) and "
+            f"--vllm.sync_backend {args.vllm.sync_backend}: upstream's weight broadcast sends the trainer's "
+            f"{trainer} tensors and vLLM's worker asserts they have the engine's dtype, so the first weight sync "
+            "crashes. Use --vllm.sync_backend reload (it casts as the engine loads; host memory about 3x the model, "
+            f"docs/gpu_path.md), or --vllm.dtype {trainer} (with --vllm.fp32_lm_head for an fp32 LM head)."
+        )
+    if args.ds.tensor_parallel_size > 1:
+        # every trainer-side pass over the weights gathers ZeRO-3 partitions only; under DeepSpeed TP rank 0 would
+        # checksum, snapshot or ship its own shard (upstream gathers with GatheredReplacedLayerParams).
+        users = []
+        if args.vllm.num_engines and args.vllm.sync_check_tol > 0:
+            users.append(f"the weight sync check (--vllm.sync_check_tol {args.vllm.sync_check_tol})")
+        if args.algo.prox_mode in ("snapshot", "dedicated"):
+            users.append(f"--algo.prox_mode {args.algo.prox_mode}")
+        if args.algo.prox_audit_dir:
+            users.append("--algo.prox_audit_dir")
+        if users:
+            raise ConfigError(
+                f"--ds.tensor_parallel_size {args.ds.tensor_parallel_size} with {', '.join(users)}: these read the "
+                "whole weights on the trainer, which we gather under ZeRO-3 only; under DeepSpeed tensor "
+                "parallelism each rank holds a shard, so the check would compare a shard with the engine's tensor "
+                "and stop the run at the first sync (or store shards). Use --ds.tensor_parallel_size 1 (ZeRO-3 "
+                "shards a 70B model without it), or drop them (--vllm.sync_check_tol 0, --algo.prox_mode "
+                "recompute/interrupt)."
+            )
+    if args.ds.ring_attn_size > 1:
+        # upstream swaps HF attention for ring flash-attention in the trainer's processes; its kernel reads state
+        # only Actor.forward sets and asserts batch size 1. The canaries and interrupt scoring call the HF model.
+        users = []
+        if args.vllm.num_engines and args.selfcheck == "on":
+            users.append("the start-up self-check's canary (--selfcheck on)")
+        if args.vllm.num_engines and args.vllm.sync_check_tol > 0:
+            users.append(f"the weight sync check's canary (--vllm.sync_check_tol {args.vllm.sync_check_tol})")
+        if args.algo.prox_mode == "interrupt":
+            users.append("--algo.prox_mode interrupt")
+        if users:
+            raise ConfigError(
+                f"--ds.ring_attn_size {args.ds.ring_attn_size} with {', '.join(users)}: ring attention replaces the "
+                "model's attention in the trainer's processes with a kernel that needs the packed batch upstream's "
+                "Actor.forward prepares (batch size 1), and these score batches through the model directly, so they "
+                "would fail. Drop them (--selfcheck off, --vllm.sync_check_tol 0, --algo.prox_mode snapshot) or "
+                "use --ds.ring_attn_size 1."
+            )
 
 
 def _validate_opob(args: types.SimpleNamespace, notices: List[str]) -> None:
@@ -816,7 +881,7 @@ def _validate_prox(args: types.SimpleNamespace, notices: List[str]) -> None:
     mode = algo.prox_mode
     if algo.prox_score_memory_mb <= 0:
         raise ConfigError(f"--algo.prox_score_memory_mb must be > 0 (MB), got {algo.prox_score_memory_mb}.")
-    if mode != "ewma" and (algo.prox_ewma_style != "batch" or algo.prox_ewma_ref_batch is not None):
+    if mode != "ewma" and (algo.prox_ewma_style != "hilton" or algo.prox_ewma_ref_batch is not None):
         raise ConfigError(
             f"--algo.prox_ewma_style/--algo.prox_ewma_ref_batch are set but --algo.prox_mode is {mode}: they only "
             "apply to --algo.prox_mode ewma; drop them."

@@ -16,7 +16,8 @@ the checks; their time is logged). docs/gpu_path.md#start-up-self-checks lists t
   log-probs of a fixed 32-token canary against the trainer's own forward, and μ of 32 tokens that engine 0
   samples with the run's temperature / top-p / top-k against the trainer's log-probs of them (over the kept
   support with the sampling mask) (``weight_sync.py::startup_canary``).
-- **Memory**: each actor rank's free device memory (``torch.cuda.mem_get_info``) against the extra peak the
+- **Memory**: each actor rank's free device memory (``torch.cuda.mem_get_info`` plus what PyTorch's allocator
+  holds unused) against the extra peak the
   run's features state (docs/gpu_path.md's table, :func:`memory_needs`); a shortfall names the flag.
 - **Engine contract** (with ``--algo.sampling_mask keep``): in each engine at its start
   (``trainer/ray/vllm_engine.py::check_kept_count_contract``).
@@ -193,7 +194,10 @@ def memory_probe(actor) -> dict:
     report = {"model_bytes": total, "largest_param_bytes": largest, "world": world, "free": None, "total": None}
     if torch.cuda.is_available():
         free, device_total = torch.cuda.mem_get_info()
-        report.update(free=free, total=device_total)
+        # What PyTorch's caching allocator holds but does not use is free to this process (upstream's fit()
+        # empties the cache anyway); mem_get_info alone counts it as taken and could refuse a run that fits.
+        cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        report.update(free=free + max(cached, 0), total=device_total, cached=max(cached, 0))
     return report
 
 

@@ -44,3 +44,13 @@ def test_a_patch_that_never_ran_fails_even_when_ranks_look_right():
     # e.g. a runner whose own ranks happened to be >= K on every token: the worker counter still tells
     with pytest.raises(EngineContractError, match=r"never ran in the engine's worker.*calls per worker \[0, 4\]"):
         check_kept_count_contract([3] * 8, CONTRACT_TOP_K, [0, 4])
+
+
+def test_a_mask_that_kept_more_than_it_sampled_from_fails():
+    """Issue 29, item 7: the lower bound alone accepted k_t = V (a mask that kept the whole vocabulary) and counts
+    that are mostly above K; a few ties above K (vLLM's PyTorch path keeps tied boundary values) still pass."""
+    with pytest.raises(EngineContractError, match=r"kept counts up to 50 .*vocabulary 50"):
+        check_kept_count_contract([3] * 7 + [50], CONTRACT_TOP_K, [8], vocab=50)
+    with pytest.raises(EngineContractError, match=r"only 2 of 8 equal to 3"):
+        check_kept_count_contract([3, 3, 4, 5, 4, 4, 6, 4], CONTRACT_TOP_K, [8], vocab=50)
+    check_kept_count_contract([3] * 6 + [4, 4], CONTRACT_TOP_K, [8], vocab=50)  # two boundary ties

@@ -100,3 +100,23 @@ def test_a_rank_without_room_for_the_features_is_refused_naming_the_flag():
         selfcheck.check_memory([report, {**report, "free": 60 * gib}], _memory_args("snapshot"))
     assert "<= 61,440 MiB free" in selfcheck.check_memory([{**report, "free": 60 * gib}], _memory_args("snapshot"))
     assert "not measured" in selfcheck.check_memory([{**report, "free": None}], _memory_args())
+
+
+def test_free_memory_counts_what_the_allocator_holds_unused(monkeypatch):
+    """Issue 29, item 8: mem_get_info() counts PyTorch's cached-but-unused blocks as taken; upstream's fit() empties
+    the cache anyway, so they are free to the run. The GPU branch is driven with recorders of torch.cuda's answers:
+    4 GiB free by the driver, 10 GiB reserved by the allocator of which 2 GiB allocated -> 12 GiB usable."""
+    import torch
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (4 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2 * gib)
+    report = selfcheck.memory_probe(object())
+    assert report["free"] == 12 * gib and report["cached"] == 8 * gib and report["total"] == 80 * gib
+    # a 70B snapshot run over 16 ranks needs ~9.9 GiB more per rank: refused on the driver's 4 GiB, fits in 12
+    report.update(model_bytes=140 * gib, largest_param_bytes=gib, world=16)
+    assert "<= 12,288 MiB free" in selfcheck.check_memory([report], _memory_args("snapshot"))
+    with pytest.raises(SelfCheckError, match="4,096 MiB free"):
+        selfcheck.check_memory([{**report, "free": 4 * gib}], _memory_args("snapshot"))

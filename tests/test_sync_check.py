@@ -66,3 +66,78 @@ def test_names_on_one_side_only_are_not_compared():
 def test_nan_weights_are_a_mismatch():
     ours = {"w": (1.0, 2.0, 4)}
     assert sync_check.mismatched(ours, {"w": (float("nan"), float("nan"), 4)}, 1e-2)[0] == ["w"]
+
+
+# ---- issue 29, item 5: MoE experts, tensor-parallel engines, and how much a check compared
+
+
+def test_moe_experts_are_compared_through_vllm_fused_names():
+    """HF Qwen-MoE keeps one gate/up/down per expert; vLLM's FusedMoE stacks them into experts.w13_weight
+    [E, 2I, H] and experts.w2_weight [E, H, I]. Built here by hand from the HF tensors, as vLLM's loader does."""
+    g = torch.Generator().manual_seed(3)
+    p = "model.layers.0.mlp."
+    hf = {}
+    for e in range(3):
+        for proj, shape in (("gate_proj", (6, 4)), ("up_proj", (6, 4)), ("down_proj", (4, 6))):
+            hf[f"{p}experts.{e}.{proj}.weight"] = torch.randn(*shape, generator=g)
+    hf[p + "gate.weight"] = torch.randn(3, 4, generator=g)  # the router: unfused
+    w13 = torch.stack(
+        [torch.cat([hf[f"{p}experts.{e}.gate_proj.weight"], hf[f"{p}experts.{e}.up_proj.weight"]]) for e in range(3)]
+    )
+    w2 = torch.stack([hf[f"{p}experts.{e}.down_proj.weight"] for e in range(3)])
+    engine = {p + "experts.w13_weight": w13, p + "experts.w2_weight": w2, p + "gate.weight": hf[p + "gate.weight"]}
+    ours = sync_check.trainer_checksums(hf.items())
+    theirs = {k: sync_check.checksum(v) for k, v in engine.items()}
+    assert sorted(ours) == sorted(engine)  # every expert tensor maps onto an engine name
+    assert sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL) == ([], 3)
+    assert sync_check.coverage(ours, theirs) == 1.0
+    engine[p + "experts.w2_weight"][1, 2, 3] += 1e-3  # one expert's weight off by a little
+    theirs = {k: sync_check.checksum(v) for k, v in engine.items()}
+    assert sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL)[0] == [p + "experts.w2_weight"]
+    assert sync_check.engine_name("model.layers.0.mlp.gate_proj.weight") == "model.layers.0.mlp.gate_up_proj.weight"
+
+
+def test_tensor_parallel_workers_merge_by_shard_or_replica():
+    """TP 2, by hand: a row-sharded tensor (each worker half the rows), a vocabulary-sharded embedding padded to 16
+    rows (8 per worker), and a replicated norm; a replica that differs between workers is named."""
+    g = torch.Generator().manual_seed(4)
+    attn, embed, norm = torch.randn(8, 4, generator=g), torch.randn(10, 4, generator=g), torch.randn(4, generator=g)
+    trainer = {
+        "attn": sync_check.checksum(attn),
+        "embed": sync_check.checksum(embed),
+        "norm": sync_check.checksum(norm),
+    }
+    padded = torch.cat([embed, torch.zeros(6, 4)])
+    workers = [
+        {
+            "attn": sync_check.checksum(attn[:4]),
+            "embed": sync_check.checksum(padded[:8]),
+            "norm": sync_check.checksum(norm),
+        },
+        {
+            "attn": sync_check.checksum(attn[4:]),
+            "embed": sync_check.checksum(padded[8:]),
+            "norm": sync_check.checksum(norm),
+        },
+    ]
+    merged = sync_check.merge_tensor_parallel(workers, trainer)
+    assert sorted(merged) == ["attn", "embed", "norm"] and merged["norm"] == trainer["norm"]
+    assert merged["embed"][2] == 64 and merged["attn"][2] == 32  # n: padded vocabulary, whole tensor
+    assert sync_check.mismatched(trainer, merged, sync_check.SAME_DTYPE_TOL) == ([], 3)
+    workers[1]["norm"] = sync_check.checksum(norm + 1e-3)  # worker 1's replica missed the update
+    merged = sync_check.merge_tensor_parallel(workers, trainer)
+    assert sync_check.mismatched(trainer, merged, sync_check.SAME_DTYPE_TOL)[0] == ["norm"]
+
+
+def test_coverage_counts_elements_not_names():
+    trainer = {"big": (0.0, 1.0, 90), "small": (0.0, 1.0, 10)}
+    assert sync_check.coverage(trainer, {"big": (0.0, 1.0, 90)}) == 0.9
+    assert sync_check.coverage(trainer, {"other": (0.0, 1.0, 100)}) == 0.0
+
+
+def test_expert_names_follow_the_engine_s_nesting():
+    trainer = {"model.layers.1.mlp.experts.w13_weight": (1.0, 2.0, 3), "model.layers.1.mlp.gate.weight": (0.0, 1.0, 2)}
+    engine = ["model.layers.1.mlp.experts.routed_experts.w13_weight", "model.layers.1.mlp.gate.weight"]
+    aligned = sync_check.align_experts(trainer, engine)
+    assert sorted(aligned) == sorted(engine)
+    assert sync_check.align_experts(trainer, ["model.layers.1.mlp.experts.w13_weight"]) == trainer

@@ -109,7 +109,7 @@ class StandInEngine:
     def __init__(self, model, timeline, tensor_parallel=False):
         self.model = copy.deepcopy(model)  # the weights this engine generates with
         self.timeline = timeline
-        self.tensor_parallel = tensor_parallel  # weight_checksums() answers None, as with tensor parallelism
+        self.tensor_parallel = tensor_parallel  # weight_checksums() answers one dict per worker, as with TP 2
         self.sleeping_tags = set()  # vLLM's Executor.sleeping_tags
         self.paused = False  # vLLM's scheduler pause state (EngineCore.is_scheduler_paused)
         self.corrupt_syncs = False  # every sync leaves one tensor wrong on this engine
@@ -191,9 +191,14 @@ class StandInEngine:
     def weight_checksums(self):
         self._log("weight_checksums")
         self._weights_resident("weight_checksums")
-        if self.tensor_parallel:
-            return None
         params = list(self.model.named_parameters())
+        if self.tensor_parallel:  # two workers, as vLLM's TP 2 lays weights out: row shards, or whole replicas
+            workers = [{}, {}]
+            for n, p in params:
+                shards = p.chunk(2, 0)
+                for w, shard in zip(workers, shards if len(shards) == 2 else (p, p)):
+                    w[n] = sync_check.checksum(shard)
+            return str(params[0][1].dtype), workers
         return str(params[0][1].dtype), {n: sync_check.checksum(p) for n, p in params}
 
     def prompt_log_probs(self, token_ids):
@@ -362,15 +367,16 @@ def test_sleep_mode_checks_each_sync_while_its_weights_are_awake(monkeypatch, ba
             assert torch.equal(p, _trainer_params(ctl)[name])
 
 
-@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["checksums", "canary"])
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["checksums", "checksums-tp2"])
 def test_sleep_mode_catches_a_wrong_engine_weight_at_the_sync(monkeypatch, tensor_parallel):
-    """One engine ends the sync with one wrong weight: the check fails inside that broadcast_to_vllm. Without
-    checksums (tensor-parallel engines answer None), the canary, run with the KV cache woken, catches it."""
+    """One engine ends the sync with one wrong weight: the check fails inside that broadcast_to_vllm. With tensor
+    parallelism (each worker reports its shards; before issue 29 such engines answered None and only the canary
+    looked) the workers' sums are merged against the trainer's tensor sizes and the same tensor is named."""
     ctl = make_trainer(monkeypatch, sleep=True, tensor_parallel=tensor_parallel)
     ctl.engines[1].corrupt_syncs = True
     ctl.generate()
     ctl.ppo_train()
-    match = "canary log-probs" if tensor_parallel else r"engine 1: 1 of 2 tensors differ \(head.weight\)"
+    match = r"engine 1: 1 of 2 tensors differ \(head.weight\)"
     with pytest.raises(RuntimeError, match=match):
         ctl.broadcast()
     assert all(c["phase"] == "broadcast" and "weights" not in c["asleep"] for c in ctl.timeline.checks())

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU recipe: GRPO on a 7B model with async training and partial rollouts, through openrlhf-ess.
-# One node, 8 GPUs: 4 vLLM engines + 4 actor GPUs. Start Ray first (ray start --head --num-gpus 8).
+# One node, 8 GPUs: 4 vLLM engines + 4 actor GPUs.
+# The CLI starts its own Ray instance on this node (no `ray start` needed); on a running cluster, add
+# --ray.address auto.
 # With no openrlhf-ess flag set this is exactly upstream's job; the correction recipes add flags on top.
 set -x
 

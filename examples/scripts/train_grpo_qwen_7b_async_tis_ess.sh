@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU recipe: GRPO on a 7B model, async training with partial rollouts, plus the openrlhf-ess corrections.
 # One node, 8 GPUs: 4 vLLM engines (TP 1) + 4 actor GPUs (reference model colocated with the actor).
-# Start Ray first (ray start --head --num-gpus 8). The job is train_grpo_qwen_7b_async_ray.sh with the flags
+#
+# The CLI starts its own Ray instance on this node (no `ray start` needed); on a running cluster, add
+# --ray.address auto. The job is train_grpo_qwen_7b_async_ray.sh with the flags
 # of the "off-policy corrections" block added; docs/off_policy.md, docs/ess_lr.md and docs/prox_modes.md
 # give the maths and metrics of each flag.
 #

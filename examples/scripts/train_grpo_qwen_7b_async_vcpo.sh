@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU recipe: GRPO on a 7B model, async training with partial rollouts, VCPO in full (arXiv 2602.17616).
 # One node, 8 GPUs: 4 vLLM engines (TP 1) + 4 actor GPUs (reference model colocated with the actor).
-# Start Ray first (ray start --head --num-gpus 8) and pass --ray.address auto, or let the CLI start its own.
+#
+# The CLI starts its own Ray instance on this node (no `ray start` needed); on a running cluster, add
+# --ray.address auto.
 # The job is train_grpo_qwen_7b_async_ray.sh with VCPO's two halves added (docs/opob.md, docs/ess_lr.md):
 #
 #   --algo.vcpo_enable               ESS-guided LR (--algo.ess_lr_enable: the actor LR x clamp(sqrt(ESS/B), 0.1, 1)

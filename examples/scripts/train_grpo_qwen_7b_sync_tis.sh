@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU recipe: GRPO on a 7B model, synchronous (generate, then train, then sync weights), with truncated IS.
 # One node, 8 GPUs: 4 vLLM engines (TP 1) + 4 actor GPUs (reference model colocated with the actor).
-# Start Ray first (ray start --head --num-gpus 8).
+#
+# The CLI starts its own Ray instance on this node (no `ray start` needed); on a running cluster, add
+# --ray.address auto.
 #
 # Synchronous training has no staleness: every token is sampled by the weights being trained, so ESS LR
 # scaling, a version-lag bound and the off-policy k2 KL have nothing to correct here. What remains is the

@@ -39,6 +39,7 @@ import torch
 from openrlhf_ess import upstream
 from openrlhf_ess.models import routing_replay as seam
 from openrlhf_ess.trainer import carried
+from openrlhf_ess.trainer.engine_contract import EngineContractError
 
 FLAG = seam.FLAG
 sentinel = seam.sentinel  # the "no route recorded" id of a route dtype (uint8: 255, int16: −1)
@@ -268,14 +269,14 @@ def add_metrics(status: dict, stats: ReplayStats) -> None:
 
 
 def check_routes_contract(shape, num_layers: int, top_k: int, rows: Optional[int] = None) -> None:
-    """Raise ``vllm_engine.EngineContractError`` unless the engine's ``routed_experts`` has shape
+    """Raise :class:`EngineContractError` unless the engine's ``routed_experts`` has shape
     [rows, num_layers, top_k] (``shape`` None: the engine returned no routes)."""
-    from openrlhf_ess.trainer.ray.vllm_engine import EngineContractError
 
     fix = (
         "Fix: use vLLM >= 0.29 on GPU (what openrlhf[vllm]==0.11.2 installs; its engine returns routes with "
-        "enable_return_routed_experts under either model runner); vLLM 0.31 returns them only with Model Runner V2 "
-        "(VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton, so not on CPU. Or drop --algo.routing_replay."
+        "enable_return_routed_experts under either model runner); vLLM >= 0.31 returns them only with Model Runner "
+        "V2 (VLLM_USE_V2_MODEL_RUNNER=1, which needs Triton, so not on CPU, and not with --algo.sampling_mask keep, "
+        "which forces V1) and prefix caching (--vllm.enable_prefix_caching). Or drop --algo.routing_replay."
     )
     expected = f"[{rows if rows is not None else 'P+G-1'}, {num_layers}, {top_k}]"
     if shape is None:
@@ -295,11 +296,10 @@ def check_routes_contract(shape, num_layers: int, top_k: int, rows: Optional[int
 def check_inflight_routes_contract(
     mid_rows: Optional[int], needed: int, prefix_equal: bool, max_tokens: int = 0
 ) -> None:
-    """Raise ``vllm_engine.EngineContractError`` unless a request's routes read while it was still generating
+    """Raise :class:`EngineContractError` unless a request's routes read while it was still generating
     (``vllm_engine.inflight_routes``: what a weight sync scores in --algo.prox_mode interrupt/dedicated) had at
     least ``needed`` rows (prompt + tokens streamed so far − 1) and equal the first rows of its final routes.
     ``needed`` 0: the ``max_tokens``-token request streamed nothing before it finished, so no read was made."""
-    from openrlhf_ess.trainer.ray.vllm_engine import EngineContractError
 
     if needed == 0:
         raise EngineContractError(

@@ -51,6 +51,7 @@ class WeightSync:
         self.metrics: Dict[str, float] = {}
         self._blob_for_dedicated = None  # (blob,) the reload sync just sent, kept for the dedicated model
         self._loaded_engine_checksums = None  # reload: the engines' checksums taken right after the load
+        self._coverage_warned = False  # the sync check's low-coverage warning, once per run
         self._to_check, self._syncs_checked = False, 0
         self._checked_metrics: Dict[str, float] = {}  # --vllm.enable_sleep: the check's, for the next step
 
@@ -342,24 +343,46 @@ class WeightSync:
         else:  # other backends: ask the engines now
             results = ray.get([engine.weight_checksums.remote() for engine in self.trainer.vllm_engines])
             engine_seconds = 0.0
+        covered = []  # (fraction of the trainer's elements the engine's names cover, engine index, its names)
         for i, result in enumerate(results):
-            if result is None:
-                continue  # tensor-parallel engine: the canary alone checks it
             engine_dtype, theirs = result
+            mine = sync_check.align_experts(ours, theirs[0] if isinstance(theirs, list) else theirs)
+            if isinstance(theirs, list):  # tensor-parallel engine: one dict per worker
+                theirs = sync_check.merge_tensor_parallel(theirs, mine)
             tol = sync_check.SAME_DTYPE_TOL if engine_dtype == dtype else sync_check.CAST_TOL
-            bad, compared = sync_check.mismatched(ours, theirs, tol)
+            bad, compared = sync_check.mismatched(mine, theirs, tol)
             compared_all += compared
-            if bad:
+            covered.append((sync_check.coverage(mine, theirs), i, theirs))
+            if compared == 0:  # a check that compared nothing must not pass
+                notes.append(
+                    f"engine {i}: none of its {len(theirs)} tensor names matches one of the trainer's "
+                    f"{len(ours)} (e.g. engine {sorted(theirs)[:2]}, trainer {sorted(ours)[:2]}): nothing could be "
+                    "compared"
+                )
+            elif bad:
                 notes.append(
                     f"engine {i}: {len(bad)} of {compared} tensors differ ({', '.join(bad[:5])}"
                     f"{', ...' if len(bad) > 5 else ''})"
                 )
+        low, worst, names = min(covered, key=lambda c: c[0]) if covered else (1.0, 0, {})
         self.metrics.update(
             {
                 "sync/checksum_tensors_compared": float(compared_all),
+                "sync/checksum_coverage": low,
                 "sync/checksum_seconds": time.time() - t0 + engine_seconds,
             }
         )
+        if low < sync_check.MIN_COVERAGE and not self._coverage_warned and not notes:
+            self._coverage_warned = True  # once per run: the layout does not change between syncs
+            left = sorted(name for name in sync_check.align_experts(ours, names) if name not in names)
+            print(
+                f"[openrlhf-ess] WARNING: weight sync check: only {100 * low:.1f}% of the trainer's weight elements "
+                f"have a tensor of the same name in engine {worst} (below {100 * sync_check.MIN_COVERAGE:.0f}%), so "
+                f"the rest is not compared: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''}. The canary "
+                "still checks the engine end to end (sync/checksum_coverage); please report the layout so the name "
+                "map (trainer/sync_check.py) covers it.",
+                flush=True,
+            )
         if notes:
             raise RuntimeError(
                 f"weight sync check failed after version {self.trainer.weight_version}: the engines do not hold "

@@ -7,6 +7,7 @@ add keyword arguments on top of the ones it passes.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import copy
 import functools
@@ -23,6 +24,7 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamRollout
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED  # noqa: E402  (kept-count tag of unsampled tokens)
+from openrlhf_ess.trainer.engine_contract import EngineContractError  # noqa: E402
 from openrlhf_ess.utils.agent import SingleTurnAgentExecutor  # noqa: E402
 
 WORKER_EXTENSION = "openrlhf_ess.trainer.ray.vllm_worker_wrap.WorkerWrap"
@@ -124,13 +126,17 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 CONTRACT_TOP_K = 3  # the start-up check's top-k: a rank-in-kept-set engine reports 1..3, a k_t engine >= 3
 
 
-class EngineContractError(RuntimeError):
-    """A GPU-path contract of the engine failed its start-up self-check (the message names contract and fix)."""
+CONTRACT_REQUESTS = 8  # concurrent requests: vLLM 0.29 on CUDA takes its Triton top-k/top-p kernel from batch 8
 
 
-def check_kept_count_contract(ranks: Sequence[int], top_k: int, patched_calls: Sequence[int]) -> None:
+def check_kept_count_contract(
+    ranks: Sequence[int], top_k: int, patched_calls: Sequence[int], vocab: Optional[int] = None
+) -> None:
     """Raise :class:`EngineContractError` unless the engine reported k_t >= ``top_k`` for every token of a
-    top-``top_k`` generation and the patched sampler ran in every worker (``patched_calls`` per worker)."""
+    top-``top_k`` generation, k_t = ``top_k`` for most of them and k_t < ``vocab`` for all (issue 29, item 7: a
+    mask that kept everything, k_t = V, passed the lower bound alone; ties at the boundary let a few exceed
+    ``top_k`` on vLLM's PyTorch path, never most), and the patched sampler ran in every worker (``patched_calls``
+    per worker)."""
     fix = (
         "Fix: run vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, which the engine sets for the mask unless "
         "something overrides it) with the pinned vLLM, or run without --algo.sampling_mask."
@@ -148,6 +154,15 @@ def check_kept_count_contract(ranks: Sequence[int], top_k: int, patched_calls: S
             f"{top_k} generation reported kept counts {list(ranks)}; every one must be >= {top_k} (the kept "
             "support's size). Counts below it are ranks inside the kept set, and the trainer would renormalise "
             f"over ~1 token. {fix}"
+        )
+    exact = sum(r == top_k for r in ranks)
+    if (vocab is not None and max(ranks) >= vocab) or 2 * exact < len(ranks):
+        raise EngineContractError(
+            "start-up self-check failed (engine contract, --algo.sampling_mask keep): a top-k "
+            f"{top_k} generation reported kept counts up to {max(ranks)} (only {exact} of {len(ranks)} equal to "
+            f"{top_k}{f'; vocabulary {vocab}' if vocab is not None else ''}): the mask kept more than the engine "
+            "sampled from, so the trainer would renormalise over tokens that could not be drawn (a count of the "
+            f"whole vocabulary means no truncation was seen at all). {fix}"
         )
 
 
@@ -374,14 +389,21 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         from vllm.utils import random_uuid
 
         params = SamplingParams(max_tokens=8, temperature=1.0, top_k=CONTRACT_TOP_K, logprobs=0, ignore_eos=True)
-        final = None
-        async for output in self._untracked_generate(
-            TokensPrompt(prompt_token_ids=[1, 2, 3]), params, request_id=random_uuid()
-        ):
-            final = output
-        ranks = [step[token].rank for step, token in zip(final.outputs[0].logprobs, final.outputs[0].token_ids)]
+
+        async def one(prompt):
+            final = None
+            async for output in self._untracked_generate(
+                TokensPrompt(prompt_token_ids=prompt), params, request_id=random_uuid()
+            ):
+                final = output
+            return [step[token].rank for step, token in zip(final.outputs[0].logprobs, final.outputs[0].token_ids)]
+
+        # a batch, as training sends: on CUDA, vLLM 0.29 samples batches of 8 or more with its Triton kernel, which
+        # one request never reaches (issue 29, item 7)
+        batches = await asyncio.gather(*(one([1 + i, 2, 3]) for i in range(CONTRACT_REQUESTS)))
         calls = await self.llm.collective_rpc("kept_count_rank_calls")
-        check_kept_count_contract(ranks, CONTRACT_TOP_K, calls)
+        vocab = self.llm.model_config.get_vocab_size()
+        check_kept_count_contract([r for ranks in batches for r in ranks], CONTRACT_TOP_K, calls, vocab)
 
     async def _check_routes_contract(self) -> None:
         """Start-up self-check of --algo.routing_replay, on the user's engine: one 4-token request after a 3-token
@@ -389,7 +411,9 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         (``routing_replay.check_routes_contract``). An engine that ignores enable_return_routed_experts, or
         returns another layout, would otherwise have the trainer replay nothing or the wrong rows. With scoring
         at a weight sync (``report_outgoing``) the request is 32 tokens and its routes are also read at its first
-        streamed output (:func:`inflight_routes`), which must cover the tokens so far and equal the final rows."""
+        streamed output (:func:`inflight_routes`), which must cover the tokens so far. Only that row count informs:
+        on vLLM 0.29-0.31 the mid-generation rows are the same chunks the final output concatenates, so their
+        equality with its first rows holds by construction (still checked, as a layout guard; issue 29, item 9)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.utils import random_uuid
@@ -417,7 +441,10 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         if self.report_outgoing:
             same = mid is not None and bool((routes[: len(mid)] == mid).all())
             check_inflight_routes_contract(None if mid is None else len(mid), needed, same, max_tokens)
-            line += f"; read mid-generation: {len(mid)} rows after {needed + 1} tokens, equal to the final rows"
+            line += (
+                f"; read mid-generation: {len(mid)} rows after {needed + 1} tokens (they cover the tokens so far; "
+                "they are the final output's own chunks, so only their count is a check)"
+            )
         print(f"start-up self-check passed: --algo.routing_replay: {line}", flush=True)
 
     async def contract_sample(self, token_ids: List[int], temperature, top_p, top_k, max_tokens) -> Dict[str, Any]:
@@ -468,10 +495,13 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         return [step[token].logprob for step, token in zip(final.prompt_logprobs[1:], token_ids[1:])]
 
     async def weight_checksums(self):
-        """The engine's per-tensor checksums ``(dtype, {name: (Σx, Σx², n)})``, or None with tensor
-        parallelism (each worker holds shards; replicated and sharded tensors cannot be told apart)."""
+        """The engine's per-tensor checksums ``(dtype, {name: (Σx, Σx², n)})``; with tensor parallelism
+        ``(dtype, [one dict per worker])``, merged on the trainer against its own tensor sizes
+        (``sync_check.merge_tensor_parallel``: a worker's shard is smaller than the trainer's tensor)."""
         results = await self.llm.collective_rpc("weight_checksums")
-        return results[0] if len(results) == 1 else None
+        if len(results) == 1:
+            return results[0]
+        return results[0][0], [sums for _, sums in results]
 
     async def inflight_tokens(self) -> List[int]:
         """Output tokens streamed so far by each in-flight request (introspection for tests and logs)."""
