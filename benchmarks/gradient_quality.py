@@ -106,6 +106,11 @@ CORRECTIONS = (
     # mean and with OPOB as its baseline: does removing the bias leave a variance that OPOB can take?
     "IS (seq product)",
     "IS (seq product) + OPOB",
+    # issue 28's next question: the same unbiased estimator with a baseline that does not come from the batch it
+    # corrects (the previous stale batch's, one scalar): constant with respect to the batch's samples, so it
+    # cannot pull the expectation back as the in-batch OPOB did; does it still take the variance?
+    "IS (seq product) + held-out mean",
+    "IS (seq product) + held-out OPOB",
 )
 # The loss each of these corrections runs once its advantages are rewritten (Tiny.rewritten_batch)
 OPOB_BASE = {
@@ -113,6 +118,8 @@ OPOB_BASE = {
     "TIS (seq) + OPOB": "TIS (seq)",
     "IS (seq product)": "none",
     "IS (seq product) + OPOB": "none",
+    "IS (seq product) + held-out mean": "none",
+    "IS (seq product) + held-out OPOB": "none",
 }
 # Which π_prox each correction feeds the loss as ``old_log_probs`` (keys of StaleBatch.prox).
 PROX_OF = {
@@ -130,6 +137,8 @@ PROX_OF = {
     "TIS (seq) + OPOB": "current",
     "IS (seq product)": "current",
     "IS (seq product) + OPOB": "current",
+    "IS (seq product) + held-out mean": "current",
+    "IS (seq product) + held-out OPOB": "current",
 }
 
 
@@ -437,7 +446,10 @@ class Tiny:
         else:
             w = torch.ones(r.rewards.shape[0], dtype=torch.float64)
         rewards = r.rewards.double()
-        if "OPOB" in correction:
+        if "held-out" in correction:  # one scalar from the previous stale batch (Tiny.hold_out)
+            held_mean, held_opob = self.held
+            b = torch.full_like(rewards, held_opob if "OPOB" in correction else held_mean)
+        elif "OPOB" in correction:
             with torch.no_grad(), opob.norms_captured(self.model.lm_head, r.sequences, r.action_mask, 1.0) as out:
                 self.log_probs(r)
             b = opob_maths.optimal_baseline(rewards, w, out[0], self.n)
@@ -446,6 +458,21 @@ class Tiny:
         scale = w if "seq product" in correction else torch.ones_like(w)
         advantages = (scale * (rewards - b)).float()[:, None] * r.action_mask
         return dataclasses.replace(batch, advantages=advantages)
+
+    held = None  # (mean reward, batch-level OPOB with the full sequence ratio) of the previous stale batch
+
+    def hold_out(self, r: Rollout, current_lp: torch.Tensor) -> None:
+        """Keep ``r``'s statistics as the next batch's held-out baseline (at θ_N, loaded): its mean reward and VCPO's
+        b* over the whole batch as one group, with w = Π_t π_θN/μ and the LM-head gradient norms."""
+        from openrlhf_ess.models import opob as opob_maths
+        from openrlhf_ess.trainer import opob
+
+        w = ((current_lp - r.rollout_log_probs) * r.action_mask).double().sum(-1).exp()
+        rewards = r.rewards.double()
+        with torch.no_grad(), opob.norms_captured(self.model.lm_head, r.sequences, r.action_mask, 1.0) as out:
+            self.log_probs(r)
+        b = opob_maths.optimal_baseline(rewards, w, out[0], rewards.numel())
+        self.held = (rewards.mean().item(), b[0].item())
 
 
 class EngineSampler:
@@ -569,6 +596,12 @@ def run_once(tiny: Tiny, cfg: argparse.Namespace, lr: float, steps: int, seed: i
         diag = {k: [] for k in ("k1", "tis_capped", "rho_recompute", "rho_exact", "mu_err", "reward_stale")}
         if tiny.engine is not None:
             tiny.engine.load(stale_state)
+        if any("held-out" in c for c in CORRECTIONS):  # one extra stale batch seeds the held-out baseline
+            tiny.model.load_state_dict(stale_state)
+            r = tiny.sample(B, gen) if tiny.engine is None else tiny.sample_engine(B, gen)
+            tiny.model.load_state_dict(states[N])
+            with torch.no_grad():
+                tiny.hold_out(r, tiny.log_probs(r))
         for _ in range(cfg.batches):
             tiny.model.load_state_dict(stale_state)
             r = tiny.sample(B, gen) if tiny.engine is None else tiny.sample_engine(B, gen)
@@ -591,6 +624,7 @@ def run_once(tiny: Tiny, cfg: argparse.Namespace, lr: float, steps: int, seed: i
                 clip[c].append(stats["clip_frac"])
             for k in KL_CORRECTIONS:
                 kl_grads[k].append(tiny.kl_gradient(r, batch, k))
+            tiny.hold_out(r, current)  # this batch's baseline statistics serve the next batch only
             m = r.action_mask.bool()
             diag["mu_err"].append((exact - r.rollout_log_probs)[m].abs().max().item())
             diag["k1"].append((r.rollout_log_probs - current)[m].mean().item())

@@ -44,7 +44,7 @@ GROUPS = {
         "snapshot": ASYNC + ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"],
         "interrupt": ASYNC + ["--algo.prox_mode", "interrupt"],
         "dedicated": ASYNC + ["--algo.prox_mode", "dedicated"],
-        "ewma": ASYNC + ["--algo.prox_mode", "ewma"],
+        "ewma": ASYNC + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch"],
         "loglinear": ASYNC + ["--algo.prox_mode", "loglinear"],
     },
     # the π_prox modes on a ZeRO-3 actor over two ranks (each rank keeps its partition of the copies)
@@ -53,7 +53,7 @@ GROUPS = {
         "snapshot": ASYNC + ZERO3_2RANKS + ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"],
         "interrupt": ASYNC + ZERO3_2RANKS + ["--algo.prox_mode", "interrupt"],
         "dedicated": ASYNC + ZERO3_2RANKS + ["--algo.prox_mode", "dedicated"],
-        "ewma": ASYNC + ZERO3_2RANKS + ["--algo.prox_mode", "ewma"],
+        "ewma": ASYNC + ZERO3_2RANKS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch"],
     },
 }
 TIMINGS = ("timing/ppo_train", "timing/make_experience", "timing/generation", "timing/broadcast", "timing/step_total")

@@ -46,7 +46,7 @@ CORRECTIONS: Dict[str, List[str]] = {
     "TIS": TIS,
     "TIS + snapshot": TIS + SNAPSHOT,
     "TIS + snapshot + ESS-LR": TIS + SNAPSHOT + ["--algo.ess_lr_enable"],
-    "TIS + EWMA": TIS + ["--algo.prox_mode", "ewma"],
+    "TIS + EWMA": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch"],
     # π_prox = μ (no old-log-prob forward): a correction of its own, the cheapest (issue 13)
     "bypass": ["--algo.prox_mode", "bypass"],
 }
@@ -55,10 +55,13 @@ CORRECTIONS: Dict[str, List[str]] = {
 # And PPO-EWMA with β set each step from the observed lag (β = L/(1+L), `--algo.prox_ewma_decay auto`).
 EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"],
-    "TIS + EWMA auto": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "auto"],
+    "TIS + EWMA auto": TIS
+    + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch", "--algo.prox_ewma_decay", "auto"],
     # The beta sweep of issue 15 §3 (β = 0.9 is "TIS + EWMA" above)
-    "TIS + EWMA β=0.3": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.3"],
-    "TIS + EWMA β=0.6": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "0.6"],
+    "TIS + EWMA β=0.3": TIS
+    + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch", "--algo.prox_ewma_decay", "0.3"],
+    "TIS + EWMA β=0.6": TIS
+    + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch", "--algo.prox_ewma_decay", "0.6"],
     # No correction, but through our controllers, which tag every token's version (the lag is logged; a bound
     # no token reaches masks nothing): separates a correction's effect from the controllers' queueing
     "none, lag logged": ["--algo.max_version_lag", "1000"],

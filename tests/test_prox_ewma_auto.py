@@ -232,7 +232,7 @@ def test_hilton_flags_parse_and_prox_sources_start_from_the_initial_weights(tiny
     assert sources.per_minibatch and sources.ewma.decay == pytest.approx(0.81)  # 0.9^(128/64)
     assert sources.ewma.state()["weight"].item() == 2.0
     for extra, message in (
-        (["--algo.prox_ewma_style", "hilton"], "only apply to --algo.prox_mode ewma"),
+        (["--algo.prox_ewma_style", "batch"], "only apply to --algo.prox_mode ewma"),  # hilton is the default
         (["--algo.prox_mode", "ewma", "--algo.prox_ewma_ref_batch", "0"], "must be >= 1 sample"),
         (
             ["--algo.prox_mode", "ewma", "--algo.prox_ewma_decay", "auto", "--algo.prox_ewma_ref_batch", "8"],
@@ -241,3 +241,14 @@ def test_hilton_flags_parse_and_prox_sources_start_from_the_initial_weights(tiny
     ):
         with pytest.raises(config.ConfigError, match=message):
             cli.parse_args(_base(tiny_world) + extra)
+
+
+def test_the_default_ewma_style_is_hilton_s(tiny_world):
+    """Issue 28: at the same β, Hilton's published PPO-EWMA beat our batch style on both test rewards
+    (docs/staleness_target.md Parts 5 and 6), so it is the default; batch stays selectable."""
+    from openrlhf_ess.cli import train_ppo_ray as cli
+
+    args, _ = cli.parse_args(_base(tiny_world) + ["--algo.prox_mode", "ewma"])
+    assert args.algo.prox_ewma_style == "hilton"
+    args, _ = cli.parse_args(_base(tiny_world) + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch"])
+    assert args.algo.prox_ewma_style == "batch"

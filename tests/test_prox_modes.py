@@ -147,7 +147,9 @@ def _independent_ewma(steps, beta=0.9):  # --algo.prox_ewma_decay default
 def test_zero3_ewma_averages_partitions(tiny_world, tmp_path):
     """ZeRO-3, two ranks: each rank averages its own partition; swapped in together they are the EWMA of the
     full weights, computed here from the gathered weights after every optimizer step."""
-    results = _run(tiny_world, tmp_path, ranks=2, zero_stage=3, mode="ewma", persistence_threshold=100)
+    results = _run(
+        tiny_world, tmp_path, ranks=2, zero_stage=3, mode="ewma", ewma_style="batch", persistence_threshold=100
+    )
     for res in results:
         assert len(res["step_states"]) == 4  # 2 rollouts x 2 optimizer steps
         hf = _hf_log_probs(
@@ -159,7 +161,7 @@ def test_zero3_ewma_averages_partitions(tiny_world, tmp_path):
 
 
 def test_ewma_scores_with_bias_corrected_average(tiny_world, tmp_path):
-    res = _run(tiny_world, tmp_path, zero_stage=0, mode="ewma")
+    res = _run(tiny_world, tmp_path, zero_stage=0, mode="ewma", ewma_style="batch")  # the default is hilton
     steps = res["step_states"]
     assert len(steps) == 4  # 2 rollouts x 2 optimizer steps
     hf = _hf_log_probs(tiny_world["model"], _independent_ewma(steps), res["sequences"], res["n_actions"])
