@@ -30,13 +30,20 @@ time.sleep(600)
 def engine():
     """A child doing what a vLLM engine process does to /dev/shm; (process, its psm_ name, its sem name)."""
     child = subprocess.Popen([sys.executable, "-c", ENGINE], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    names = []
     try:
         psm, sem = child.stdout.readline().split()
-        yield child, psm, "sem." + sem.lstrip("/")
+        names += [psm, "sem." + sem.lstrip("/")]
+        yield child, psm, names[1]
     finally:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
         child.wait(30)
+        for name in names:  # what a test left of the child's files (it was killed: nothing else removes them)
+            try:
+                os.unlink(f"/dev/shm/{name}")
+            except FileNotFoundError:
+                pass
 
 
 def test_the_run_s_files_are_removed_and_no_other(engine, tmp_path):
