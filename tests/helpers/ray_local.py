@@ -1,4 +1,6 @@
-"""A private Ray instance for one test: 127.0.0.1, its own temp dir, our worker set-up hook."""
+"""A private Ray instance for one test: 127.0.0.1, its own temp dir, our worker set-up hook; the /dev/shm files its
+processes leave (vLLM's psm_* queues: Ray ends the engine's processes with signals, so vLLM never unlinks them) are
+removed when it ends, with the package's own watch (openrlhf_ess/shm_cleanup.py)."""
 
 import contextlib
 import os
@@ -6,11 +8,28 @@ import shutil
 import tempfile
 
 
+def _watch():
+    """The package's watch over this process's tree, minus the files this (test) process maps itself: only what Ray's
+    processes use is the Ray instance's to remove."""
+    from openrlhf_ess import shm_cleanup
+
+    class RayTreeWatch(shm_cleanup.ShmWatch):
+        def sample(self, everywhere: bool = False) -> None:
+            super().sample(everywhere)
+            own = shm_cleanup.mapped_shm(self.root)
+            with self._lock:
+                for key in own:
+                    self.files.pop(key, None)
+
+    return RayTreeWatch().start()
+
+
 @contextlib.contextmanager
 def local_ray(num_gpus: int = 2, num_cpus: int = 4):
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="ray_t_", dir="/tmp")
+    watch = _watch()  # before ray.init: Ray's processes inherit the run's token
     env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     ray.init(
         _node_ip_address="127.0.0.1",
@@ -23,6 +42,8 @@ def local_ray(num_gpus: int = 2, num_cpus: int = 4):
     try:
         yield ray
     finally:
+        watch.sample()  # files made since the last look, before Ray ends the processes
         ray.shutdown()
+        watch.cleanup(wait_s=10.0)
         shutil.rmtree(temp_dir, ignore_errors=True)
         os.environ.pop("RAY_ADDRESS", None)
