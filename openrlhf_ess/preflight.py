@@ -331,10 +331,8 @@ def _check_top_k(args: types.SimpleNamespace) -> None:
     folder = _model_folder(args.actor.model_name_or_path) if top_k > 0 else None
     if folder is None:
         return
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
+    cfg = model_config(folder)
+    if cfg is None:
         return
     vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
     if isinstance(vocab, int) and top_k >= vocab:
@@ -622,15 +620,22 @@ def _model_folder(path: str) -> Optional[str]:
     return os.path.dirname(cached) if isinstance(cached, str) else None
 
 
+def model_config(folder: str) -> Optional[dict]:
+    """The model folder's config.json, or None if it cannot be read (its own check names that)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def model_max_len(folder: str) -> Optional[Tuple[float, str]]:
     """The longest sequence vLLM accepts for the model in ``folder`` as max_model_len, and the key it comes from,
     as vLLM derives it (``vllm/config/model.py::_get_and_verify_max_len``): the smallest of the context-length keys
     of the (text) config times a RoPE scaling factor (a generative model's tokenizer_config.json is not read); None
     if the config names no length (vLLM then accepts any)."""
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
+    cfg = model_config(folder)
+    if cfg is None:
         return None
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     found = [(text[k], k) for k in _MAX_LEN_KEYS if isinstance(text.get(k), (int, float))]

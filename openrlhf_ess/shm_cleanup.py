@@ -189,11 +189,31 @@ def _alive(seen: Iterable[Tuple[int, float]], exclude: int) -> List[int]:
     return alive
 
 
+def unlink_unheld(names: Iterable[str], held: Set[Tuple[int, int]]) -> Tuple[List[Tuple[str, int]], bool]:
+    """Remove each /dev/shm file of ``names`` unless its (device, inode) is in ``held`` (another process maps or
+    holds it: never ours to remove). Returns ((name, bytes of RAM it held), ...) of those removed, and whether any
+    was kept because it was held. A file already gone is skipped: its owner removed it, as it should."""
+    removed, kept = [], False
+    for name in names:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) in held:
+                kept = True
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append((name, st.st_blocks * 512))  # touched pages: a queue's apparent size is more
+    return removed, kept
+
+
 class ShmWatch:
     """Records the /dev/shm files this process's tree uses; :meth:`cleanup` removes those left (module docstring)."""
 
-    def __init__(self, root: Optional[int] = None, interval_s: float = INTERVAL_S):
+    def __init__(self, root: Optional[int] = None, interval_s: float = INTERVAL_S, root_files: bool = True):
         self.root = os.getpid() if root is None else root
+        self.root_files = root_files  # False: a file the root itself maps is never the run's (a test process)
         self.interval_s = interval_s
         self.files: Dict[Tuple[int, int], Tuple[float, str]] = {}  # (device, inode) -> (last seen in use, name)
         self.seen: Set[Tuple[int, float]] = set()  # (pid, start time) of the tree's processes
@@ -223,6 +243,9 @@ class ShmWatch:
             tree = sorted(set(tree) | set(self._carriers()))
         now = time.time()
         found = {key: (now, name) for pid, _ in tree for key, name in mapped_shm(pid).items()}
+        if not self.root_files:  # a file the root maps itself (shared with a child or not) is not the run's
+            for key in mapped_shm(self.root):
+                found.pop(key, None)
         with self._lock:
             self.seen.update(tree)
             new = set(found) - set(self.files)
@@ -231,17 +254,9 @@ class ShmWatch:
                 self.ledger.write(self.files)
 
     def _carriers(self) -> List[Tuple[int, float]]:
-        """(pid, start time) of every live process but this one that carries the run's token in its environment."""
-        import psutil
-
-        out = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) != self.root and _of_run(int(entry), self.token):
-                try:
-                    out.append((int(entry), psutil.Process(int(entry)).create_time()))
-                except psutil.Error:
-                    pass
-        return out
+        """(pid, start time) of every live process but the watched root that carries the run's token."""
+        found = [(pid, _start_time(pid)) for pid in _carrying(self.token, exclude=self.root)]
+        return [(pid, start) for pid, start in found if start is not None]
 
     def end_processes(self, grace_s: float = 10.0) -> int:
         """End every process of the run still alive (recorded in the tree, or carrying the run's token: the same
@@ -271,18 +286,9 @@ class ShmWatch:
         with self._lock:
             left = files_of(self.files)
         others = in_use_outside((pid for pid, _ in self.seen), self.token) if left else set()
-        removed = []
-        for name in left:
-            try:
-                st = os.lstat(os.path.join(SHM_DIR, name))
-                if (st.st_dev, st.st_ino) in others:  # another process uses it: not ours to remove
-                    continue
-                os.unlink(os.path.join(SHM_DIR, name))
-            except OSError:
-                continue  # its owner removed it meanwhile, as it should
-            removed.append(name)
+        removed, _ = unlink_unheld(left, others)
         self.ledger.remove()  # what is left is held by another process: never ours to remove
-        return removed
+        return [name for name, _ in removed]
 
 
 # ---- what SIGKILL leaves: the ledger and the next run's sweep ---------------------------------------------------
@@ -357,10 +363,11 @@ def _read_ledger(path: str) -> Optional[dict]:
         return None
 
 
-def _carrying(token: str) -> List[int]:
-    """PIDs of the live processes that carry the run's token (:data:`RUN_ENV`), this one excepted."""
-    me = os.getpid()
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != me and _of_run(int(e), token)]
+def _carrying(token: str, exclude: Optional[int] = None) -> List[int]:
+    """PIDs of the live processes that carry the run's token (:data:`RUN_ENV`), ``exclude`` (default: this one)
+    excepted."""
+    skip = os.getpid() if exclude is None else exclude
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != skip and _of_run(int(e), token)]
 
 
 class Swept:
@@ -420,21 +427,10 @@ def sweep_dead_runs(folder: Optional[str] = None, own_token: Optional[str] = Non
             end_processes(orphans, grace_s)
             swept.ended += [p.pid for p in orphans]
         left = files_of(record["files"])
-        held = in_use_outside(()) if left else set()
-        kept, before = False, len(swept.files)
-        for shm_name in left:
-            file = os.path.join(SHM_DIR, shm_name)
-            try:
-                st = os.lstat(file)
-                if (st.st_dev, st.st_ino) in held:
-                    kept = True  # another process uses it: never ours to remove
-                    continue
-                os.unlink(file)
-            except OSError:
-                continue
-            swept.files.append(shm_name)
-            swept.bytes += st.st_blocks * 512  # the RAM it held: its touched pages (a queue's apparent size is more)
-        if len(swept.files) > before or orphans:
+        removed, kept = unlink_unheld(left, in_use_outside(()) if left else set())
+        swept.files += [name for name, _ in removed]
+        swept.bytes += sum(size for _, size in removed)
+        if removed or orphans:
             swept.runs.append(record["pid"])
         if not kept:
             try:

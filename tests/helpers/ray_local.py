@@ -8,28 +8,15 @@ import shutil
 import tempfile
 
 
-def _watch():
-    """The package's watch over this process's tree, minus the files this (test) process maps itself: only what Ray's
-    processes use is the Ray instance's to remove."""
-    from openrlhf_ess import shm_cleanup
-
-    class RayTreeWatch(shm_cleanup.ShmWatch):
-        def sample(self, everywhere: bool = False) -> None:
-            super().sample(everywhere)
-            own = shm_cleanup.mapped_shm(self.root)
-            with self._lock:
-                for key in own:
-                    self.files.pop(key, None)
-
-    return RayTreeWatch().start()
-
-
 @contextlib.contextmanager
 def local_ray(num_gpus: int = 2, num_cpus: int = 4):
     import ray
 
+    from openrlhf_ess import shm_cleanup
+
     temp_dir = tempfile.mkdtemp(prefix="ray_t_", dir="/tmp")
-    watch = _watch()  # before ray.init: Ray's processes inherit the run's token
+    # before ray.init: Ray's processes inherit the run's token; the files this test process maps itself are not Ray's
+    watch = shm_cleanup.ShmWatch(root_files=False).start()
     env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
     ray.init(
         _node_ip_address="127.0.0.1",
