@@ -7,6 +7,7 @@ is still alive after the run is reported as a leftover, then ended by that PID (
 
 import math
 import os
+import re
 import signal
 import time
 from types import SimpleNamespace
@@ -218,8 +219,10 @@ def test_a_signalled_run_cleans_up_at_any_point(tiny_world, tmp_path, capsys, ca
     else:
         assert run.rc == 128 + sig, (run.rc, run.log[-4000:])
         assert f"[openrlhf-ess] {sig.name} received: stopping the run." in run.log, run.log[-4000:]
-    if sig != signal.SIGHUP:  # vLLM was up: it left its files, the CLI removed them and said so
-        assert "shared-memory file(s) this run's processes left in /dev/shm" in run.log, run.log[-4000:]
+    if sig != signal.SIGHUP:  # vLLM was up and the CLI had seen its files: it accounts for them, removed or gone
+        # (a group SIGTERM also reaches vLLM's processes, which may unlink their queues before they die; CI, stop 33)
+        account = r"shared-memory file\(s\) this run's processes (left in|used is left in) /dev/shm"
+        assert re.search(account, run.log), run.log[-4000:]
     assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
     assert not run.leftovers, run.leftovers
 

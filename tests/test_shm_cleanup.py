@@ -164,3 +164,23 @@ def test_the_state_folder_falls_back_when_home_is_read_only(tmp_path, monkeypatc
             assert folder.endswith(f"openrlhf-ess-{os.getuid()}/shm")
     finally:
         home.chmod(0o700)
+
+
+def test_the_run_accounts_for_its_files_whether_it_removed_them_or_not():
+    """CI's stop 33: a group SIGTERM also reaches vLLM's processes, which sometimes unlink their queues before they
+    die; the run then had nothing to remove and said nothing, so its clean-up could not be told from a missing one.
+    The account is given once either way, and a later clean-up that does remove files still says so."""
+    from openrlhf_ess.cli.train_ppo_ray import shm_account
+
+    names = [f"psm_{i}" for i in range(8)]
+    assert shm_account(names[:2], 2, False) == (
+        "[openrlhf-ess] removed 2 shared-memory file(s) this run's processes left in /dev/shm: psm_0, psm_1"
+    )
+    assert shm_account(names, 9, False).endswith(": psm_0, psm_1, psm_2, psm_3, psm_4, psm_5 and 2 more")
+    assert shm_account([], 3, False) == (
+        "[openrlhf-ess] none of the 3 shared-memory file(s) this run's processes used is left in /dev/shm: their "
+        "processes removed them"
+    )
+    assert shm_account([], 3, True) is None  # said once already
+    assert shm_account([], 0, False) is None  # the watch saw nothing (a run stopped before vLLM started)
+    assert shm_account(["sem.mp-x"], 3, True).startswith("[openrlhf-ess] removed 1 ")

@@ -149,21 +149,37 @@ def _probe_gpu_nodes(address: str, timeout_s: float = 120.0) -> dict:
         ray.shutdown()
 
 
+def shm_account(removed: List[str], used: int, said: bool) -> Optional[str]:
+    """The run's line about its /dev/shm files at a clean-up: those removed, or, when the watch saw files but none
+    was left (a group SIGTERM also reaches vLLM's processes, and some unlink their queues before they die), that
+    none was, once per run. None when there is nothing to say."""
+    if removed:
+        shown = ", ".join(removed[:6]) + (f" and {len(removed) - 6} more" if len(removed) > 6 else "")
+        return (
+            f"[openrlhf-ess] removed {len(removed)} shared-memory file(s) this run's processes left in "
+            f"{shm_cleanup.SHM_DIR}: {shown}"
+        )
+    if used and not said:
+        return (
+            f"[openrlhf-ess] none of the {used} shared-memory file(s) this run's processes used is left in "
+            f"{shm_cleanup.SHM_DIR}: their processes removed them"
+        )
+    return None
+
+
 def watch_shared_memory() -> shm_cleanup.ShmWatch:
     """Record the /dev/shm files this run's processes use (vLLM's psm_* message queues, multiprocessing's sem.mp-*)
     and remove those still there when the CLI exits: exit 0, an error, SIGTERM/SIGHUP (``signals.py``), SIGINT
     (``openrlhf_ess/shm_cleanup.py``; Ray ends the engines' processes with signals, so vLLM never unlinks them)."""
     watch = shm_cleanup.ShmWatch().start()
+    said = []
 
     def cleanup(wait_s: float = 10.0) -> None:
         removed = watch.cleanup(wait_s)
-        if removed:
-            shown = ", ".join(removed[:6]) + (f" and {len(removed) - 6} more" if len(removed) > 6 else "")
-            print(
-                f"[openrlhf-ess] removed {len(removed)} shared-memory file(s) this run's processes left in "
-                f"{shm_cleanup.SHM_DIR}: {shown}",
-                flush=True,
-            )
+        line = shm_account(removed, len(watch.files), bool(said))
+        if line:
+            print(line, flush=True)
+            said.append(line)
 
     atexit.register(cleanup)
     watch.sweep = cleanup  # train() calls it once more before ray.shutdown(), which may end the process at once
