@@ -73,7 +73,8 @@ def _check_metric_channels(run_dir, log, scalars):
 
 def test_sync_run_writes_tensorboard_and_wandb(tiny_world, tmp_path):
     run_dir = str(tmp_path)
-    args = tiny_args(tiny_world, run_dir) + ["--logger.wandb.key", "offline-" + "0" * 32]
+    # The engine as users get it by default (torch.compile), here and in the all-corrections run below.
+    args = tiny_args(tiny_world, run_dir, compiled=True) + ["--logger.wandb.key", "offline-" + "0" * 32]
     rc, log = run_cli(args, run_dir)
     _check_run(run_dir, rc, log, steps=2)
     assert "--vllm.sync_backend nccl -> reload" in log
@@ -103,7 +104,7 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     flags += ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"]
     flags += ["--vllm.fp32_lm_head"]  # vLLM's fp32 head in the bf16 engine, checked in its worker at start-up
     flags += ["--algo.advantage.baseline", "opob"]  # with ESS-LR: VCPO in full (issue 28)
-    args = tiny_args(tiny_world, run_dir, steps_prompts=24)
+    args = tiny_args(tiny_world, run_dir, steps_prompts=24, compiled=True)
     args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
     wandb = ["--logger.wandb.key", "offline-" + "0" * 32]
     rc, log = run_cli(args + flags + wandb + ["--ref.num_gpus_per_node", "1"], run_dir)

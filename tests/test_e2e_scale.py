@@ -14,8 +14,6 @@ from tests.test_e2e_cli import _check_run
 
 SAMPLES = 32  # per step: 8 prompts x 4 samples, over all actor ranks
 RUN_TIMEOUT = 1080  # s; 1-2 min each on 2 cores, far more when other test runs share them
-# --vllm.enforce_eager: the engine skips torch.compile's warm-up (~30 s of a 2-core machine while the other
-# actors start); the compiled engine is what the other end-to-end runs use.
 
 
 def _without_teardown_traceback(log: str) -> str:
@@ -137,7 +135,7 @@ def test_two_actor_ranks_zero3_with_ess_lr_tis_and_interrupt_prox(tiny_world, tm
     _set(args, "--ds.zero_stage", "3")
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.prox_mode", "interrupt"]
     flags += ["--algo.ess_lr_enable", "--algo.ess_lr_weight", "seq_product", "--algo.tis_cap", "2"]
-    flags += ["--rollout.top_p", "0.8", "--algo.prox_audit_dir", audit, "--vllm.enforce_eager"]
+    flags += ["--rollout.top_p", "0.8", "--algo.prox_audit_dir", audit]
     rc, log = run_cli(args + flags, run_dir, timeout=RUN_TIMEOUT)
     scalars = _check_run(run_dir, rc, _without_teardown_traceback(log), steps=steps)
     _every_step(scalars, "train/reward")  # finite at every step
@@ -190,7 +188,7 @@ def test_reference_model_and_critic_with_ess_lr_and_tis(tiny_world, tmp_path):
     _set(args, "--algo.advantage.estimator", "gae")
     _set(args, "--algo.kl.init_coef", "0.01")
     flags = ["--ref.num_gpus_per_node", "1", "--critic.num_gpus_per_node", "1"]
-    flags += ["--algo.ess_lr_enable", "--algo.tis_cap", "2", "--vllm.enforce_eager"]
+    flags += ["--algo.ess_lr_enable", "--algo.tis_cap", "2"]
     rc, log = run_cli(args + flags, run_dir, timeout=RUN_TIMEOUT)
     scalars = _check_run(run_dir, rc, _without_teardown_traceback(log), steps=2)
     reward = _every_step(scalars, "train/reward")

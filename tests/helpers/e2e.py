@@ -13,9 +13,11 @@ def ray_temp_dir(run_dir: str) -> str:
     return os.path.join("/tmp", "ray_ess_" + os.path.basename(run_dir.rstrip("/"))[-20:])
 
 
-def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16) -> list:
-    """CLI flags for a short tiny run: ``steps_prompts`` prompts in batches of 8 (4 samples each)."""
-    return [
+def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16, compiled: bool = False) -> list:
+    """CLI flags for a short tiny run: ``steps_prompts`` prompts in batches of 8 (4 samples each). The engine runs
+    eager (``--vllm.enforce_eager``) unless ``compiled``: torch.compile's warm-up takes 8-30 s of a 2-core machine
+    per run (docs/tests.md); the runs that keep the compiled engine users get by default say so."""
+    return (["--vllm.enforce_eager"] if not compiled else []) + [
         "--actor.model_name_or_path",
         world["model"],
         "--data.prompt_dataset",
