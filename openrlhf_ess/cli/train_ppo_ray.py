@@ -17,7 +17,13 @@ import tempfile
 import threading
 from typing import List, Optional
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess import caches
+
+# Before anything imports DeepSpeed (it creates Triton's cache folder under HOME at import): a HOME the run
+# cannot write gets its caches moved, with a notice printed by main() (openrlhf_ess/caches.py).
+_CACHE_NOTICES = caches.redirect_unwritable_caches()
+
+from openrlhf_ess import cpu_compat  # noqa: E402
 
 cpu_compat.apply()
 
@@ -39,6 +45,8 @@ _FORWARDED_ENV = {
     "HF_DATASETS_OFFLINE": None,
     "TRANSFORMERS_OFFLINE": None,
     "DS_ACCELERATOR": None,
+    "TRITON_CACHE_DIR": None,  # set by caches.py when HOME is not writable, or by the user
+    "VLLM_CACHE_ROOT": None,
     "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD": None,  # tests only: see trainer/ray/vllm_worker_wrap.py
     "OPENRLHF_ESS_FAULT_FINAL_SAVE": None,  # tests only: see trainer/saving.py
     cpu_compat.DEVICE_ENV: None,  # the run's accelerator, decided once on the driver (resolve_accelerator)
@@ -762,6 +770,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 def _main(argv: Optional[List[str]]) -> None:
+    for line in _CACHE_NOTICES:  # a HOME the run cannot write (caches.py)
+        print(line, flush=True)
     upstream.check_version()
     try:
         args, notices = parse_args(argv)

@@ -17,7 +17,7 @@ def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16, compiled: bool
     """CLI flags for a short tiny run: ``steps_prompts`` prompts in batches of 8 (4 samples each). The engine runs
     eager (``--vllm.enforce_eager``) unless ``compiled``: torch.compile's warm-up takes 8-30 s of a 2-core machine
     per run (docs/tests.md); the runs that keep the compiled engine users get by default say so."""
-    return (["--vllm.enforce_eager"] if not compiled else []) + [
+    return [
         "--actor.model_name_or_path",
         world["model"],
         "--data.prompt_dataset",
@@ -68,7 +68,7 @@ def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16, compiled: bool
         "e2e",
         "--ray.temp_dir",
         ray_temp_dir(run_dir),
-    ]
+    ] + ([] if compiled else ["--vllm.enforce_eager"])
 
 
 # What the last run_cli left: "leftovers" (processes of the run still alive 20 s after the CLI exited; then ended)
