@@ -80,6 +80,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sync/canary_mean_abs_diff, sync/canary_seconds.",
     )
     group.add_argument(
+        "--vllm.sync_check_rel_tol",
+        type=float,
+        default=None,
+        help="The canary's second bound (start-up and syncs): its mean |difference| divided by the spread of the "
+        "trainer's own canary log-probs (mean |log p - mean|). Rounding stays a fixed small fraction of that spread "
+        "on any model (0.007 with a bf16 side, 3e-7 with both sides fp32, measured on the tiny models), while "
+        "another LM head moves the log-probs by 2-4 times it; the absolute bound alone misses that on a flat model "
+        "(docs/canary_faults.md). Default: 0.1, or 1e-3 when --vllm.dtype float32 and --ds.param_dtype fp32. "
+        "0 disables this bound; raise it for an engine quantised on purpose (fp8). Metric: sync/canary_rel_diff.",
+    )
+    group.add_argument(
         "--vllm.sync_check_canary_every",
         type=int,
         default=50,
@@ -597,6 +608,11 @@ def validate(args: types.SimpleNamespace) -> List[str]:
         raise ConfigError(
             f"--reward.timeout_s must be > 0 seconds (inf = no bound), got {args.reward.timeout_s}: it bounds each "
             "call of the reward function."
+        )
+    if args.vllm.sync_check_rel_tol is not None and not args.vllm.sync_check_rel_tol >= 0:  # NaN fails too
+        raise ConfigError(
+            f"--vllm.sync_check_rel_tol must be >= 0 (0 disables the canary's relative bound), got "
+            f"{args.vllm.sync_check_rel_tol}."
         )
     if args.vllm.sync_check_tol < 0:
         raise ConfigError(

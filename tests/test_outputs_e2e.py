@@ -20,15 +20,12 @@ import shutil
 import threading
 import time
 
-import pytest
-
 from openrlhf_ess import run_lock
 from openrlhf_ess.trainer import saving
 from tests.helpers.e2e import tiny_args
 from tests.helpers.faults import run_cli_tracked
 
 
-@pytest.mark.slow
 def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
@@ -112,7 +109,6 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
             shutil.rmtree(fallback, ignore_errors=True)
 
 
-@pytest.mark.slow
 def test_a_failed_final_save_under_zero3_with_two_ranks_does_not_hang(tiny_world, tmp_path):
     """Under ZeRO-3 both ranks gather the weights, then rank 0 writes: its failure must not leave rank 1 waiting in
     upstream's closing barrier or in the fallback's gather (the ranks agree after each attempt)."""

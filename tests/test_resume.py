@@ -204,7 +204,6 @@ def _kill_point(kill_at, ckpt: str, audit: str):
     return None
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode,kill_at,gen_batch,half_written",
     [

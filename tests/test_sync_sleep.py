@@ -252,6 +252,7 @@ def make_trainer(monkeypatch, *, sleep, backend="nccl", canary_every=1, tensor_p
     vllm = SimpleNamespace(
         sync_backend=backend,
         sync_check_tol=0.05,
+        sync_check_rel_tol=0.1,
         sync_check_canary_every=canary_every,
         enable_sleep=sleep,
         sync_with_ray=False,

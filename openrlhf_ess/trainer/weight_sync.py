@@ -24,9 +24,16 @@ import deepspeed
 import ray
 import torch
 
-from openrlhf_ess.trainer import sync_check
+from openrlhf_ess.trainer import canary, sync_check
 
 SYNC_CANARY_TOKENS = 32
+
+
+def rel_tolerance(args) -> float:
+    """The canary's relative bound: --vllm.sync_check_rel_tol, or by the two sides' dtypes (trainer/canary.py)."""
+    if args.vllm.sync_check_rel_tol is not None:
+        return args.vllm.sync_check_rel_tol
+    return canary.default_rel_tol(args.vllm.dtype, args.ds.param_dtype)
 
 
 def gathered_one_by_one(
@@ -260,19 +267,47 @@ class WeightSync:
         tokens = torch.tensor(sample["tokens"], device=rows.device)
         if masked:
             kept = torch.tensor(sample["ranks"], device=rows.device)
-            ours = maths.masked_log_probs(rows, tokens, kept, temperature)
+
+            def log_probs_at(t):
+                return maths.masked_log_probs(rows, tokens, kept, t).cpu()
+
         else:
-            ours = (rows / temperature).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
-        diff = (ours.cpu() - torch.tensor(sample["logprobs"])).abs().mean().item()
+
+            def log_probs_at(t):
+                return (rows / t).log_softmax(-1).gather(-1, tokens[:, None])[:, 0].cpu()
+
+        mu = torch.tensor(sample["logprobs"])
+        # Which distribution mu is (trainer/canary.py): scale-free, where the bound below misses a temperature
+        # or logprobs-mode error on a flat model (0.07 nats at T 0.6 on the tiny one, docs/canary_faults.md).
+        hypotheses = canary.temperature_hypotheses(log_probs_at, temperature)
+        which = canary.closest_distribution(mu, hypotheses)
+        rel_tol = rel_tolerance(args)
+        named = which["closest"] != "at T" and canary.relative_error(mu, hypotheses[which["closest"]]) <= max(
+            rel_tol, canary.REL_TOL_16BIT
+        )  # mu is that other distribution, up to rounding (not merely less far from it: another function)
+        if named:
+            d = which["distances"]
+            raise RuntimeError(
+                f"start-up self-check failed (engine contract): {n} tokens sampled by vLLM engine 0 at temperature "
+                f"{temperature} have log-probs mu closest to the trainer's {canary.HYPOTHESIS_NAMES[which['closest']]}"
+                f" (mean |diff| {d[which['closest']]:.2e} nats) and {d['at T']:.2e} nats from log softmax(z/T), the "
+                "distribution the engine sampled from. "
+                + canary.HYPOTHESIS_FIXES[which["closest"]]
+                + " Every importance weight would be off. Or skip with --selfcheck off."
+            )
+        ours = hypotheses["at T"]
+        diff = (ours - mu).abs().mean().item()
+        rel = canary.relative_error(mu, ours)
         tol = args.vllm.sync_check_tol
-        if not (math.isfinite(diff) and diff <= tol):
+        if not (math.isfinite(diff) and diff <= tol) or (rel_tol > 0 and not rel <= rel_tol):
             raise RuntimeError(
                 f"start-up self-check failed (engine contract): {n} tokens sampled by vLLM engine 0 with the run's "
                 f"settings (temperature {temperature}, top-p {args.rollout.top_p}, top-k "
-                f"{getattr(args.rollout, 'top_k', 0)}) have log-probs mu {diff:.3f} nats (mean |diff|) away from the "
-                f"trainer's forward of the same tokens{' over the kept support' if masked else ''}, above "
-                f"--vllm.sync_check_tol {tol}. The engine does not return the log-probs of the distribution it "
-                "sampled from as the trainer computes them (logprobs mode, temperature handling, or the sampler's "
+                f"{getattr(args.rollout, 'top_k', 0)}) have log-probs mu {diff:.3f} nats (mean |diff|; {rel:.3f} of "
+                f"their spread) away from the trainer's forward of the same tokens"
+                f"{' over the kept support' if masked else ''}, above --vllm.sync_check_tol {tol} or "
+                f"--vllm.sync_check_rel_tol {rel_tol}. The engine does not return the log-probs of the distribution "
+                "it sampled from as the trainer computes them (logprobs mode, temperature handling, or the sampler's "
                 "kept counts): every importance weight would be off. Check the vLLM version (pinned: 0.29 on GPU), "
                 "or skip with --selfcheck off."
             )
@@ -292,26 +327,42 @@ class WeightSync:
         with self._engines_can_generate(engines):
             theirs = ray.get([engine.prompt_log_probs.remote(ids[0].tolist()) for engine in engines])
         diffs = [(ours - torch.tensor(lp)).abs().mean().item() for lp in theirs]
-        self.metrics.update({"sync/canary_mean_abs_diff": max(diffs), "sync/canary_seconds": time.time() - t0})
-        tol = self.args.vllm.sync_check_tol
-        # NaN compares False with everything: a NaN diff (NaN weights on either side) must fail too
-        bad = [i for i, d in enumerate(diffs) if not (math.isfinite(d) and d <= tol)]
+        rels = [canary.relative_error(torch.tensor(lp), ours) for lp in theirs]
+        self.metrics.update(
+            {
+                "sync/canary_mean_abs_diff": max(diffs),
+                "sync/canary_rel_diff": max(rels),
+                "sync/canary_seconds": time.time() - t0,
+            }
+        )
+        tol, rel_tol = self.args.vllm.sync_check_tol, rel_tolerance(self.args)
+        # NaN compares False with everything: a NaN diff (NaN weights on either side) must fail too. The relative
+        # bound (trainer/canary.py) is what separates another function from bf16 noise on a flat model, where
+        # every fault stays far below the absolute one (docs/canary_faults.md).
+        bad = [
+            i
+            for i, (d, r) in enumerate(zip(diffs, rels))
+            if not (math.isfinite(d) and d <= tol) or (rel_tol > 0 and not r <= rel_tol)
+        ]
+        worst = f"{max(diffs):.3f} nats (mean |diff|; {max(rels):.3f} of the log-probs' own spread)"
         if bad and startup:
             raise RuntimeError(
                 f"start-up self-check failed (engine contract): before any weight sync, vLLM engine(s) {bad} give "
-                f"canary log-probs {max(diffs):.3f} nats (mean |diff|) away from the trainer's forward of the same "
-                f"tokens, above --vllm.sync_check_tol {tol}, although both loaded the same model. The engine computes "
-                f"another function than the trainer (engine dtype --vllm.dtype {self.args.vllm.dtype!r} vs "
-                f"--ds.param_dtype, a kernel or LM-head difference): align the dtypes, raise --vllm.sync_check_tol if "
-                "the gap is expected, or skip with --selfcheck off."
+                f"canary log-probs {worst} away from the trainer's forward of the same tokens, above "
+                f"--vllm.sync_check_tol {tol} or --vllm.sync_check_rel_tol {rel_tol} (rounding measured at <= "
+                f"{canary.BF16_NOISE_REL} of the spread with bf16, {canary.FP32_NOISE_REL} in fp32), although "
+                "both loaded the same model. The engine computes another function than the trainer (another LM "
+                "head, positional or attention kernel, or quantisation): check the engine's model config and "
+                "quantisation, raise the tolerance if the gap is expected (an fp8 engine), or skip with "
+                "--selfcheck off."
             )
         if bad:
             raise RuntimeError(
                 f"weight sync check failed after version {self.trainer.weight_version}: vLLM engine(s) {bad} give "
-                f"canary log-probs {max(diffs):.3f} nats (mean |diff|) away from the trainer's, above "
-                f"--vllm.sync_check_tol {tol}. The engines are not generating with the trained weights (sync backend "
-                f"{self.args.vllm.sync_backend!r}): on machines without working NCCL use --vllm.sync_backend reload; "
-                "raise the tolerance only if engine and trainer dtypes differ a lot."
+                f"canary log-probs {worst} away from the trainer's, above --vllm.sync_check_tol {tol} or "
+                f"--vllm.sync_check_rel_tol {rel_tol}. The engines are not generating with the trained weights "
+                f"(sync backend {self.args.vllm.sync_backend!r}): on machines without working NCCL use "
+                "--vllm.sync_backend reload; raise the tolerance only if engine and trainer dtypes differ a lot."
             )
 
     @contextlib.contextmanager

@@ -1,0 +1,92 @@
+"""The start-up engine contract's statistics (issue 29, item 6): what separates each fault the canary claims to
+catch from bf16 noise, measured in ``benchmarks/canary_faults.py`` (docs/canary_faults.md).
+
+One absolute bound, ``--vllm.sync_check_tol`` (mean |Δ log p| ≤ 0.5 nats), cannot do it: a random or flat model's
+log-probs barely move under any fault (every token near −log V), while a trained model's bf16 noise is larger in
+nats than a flat model's faults. Two statistics that do not depend on the scale:
+
+* **relative error** of the canary, r = mean |Δ log p| / mean |log p − mean log p|: bf16 rounding is relative to
+  the logits, so it stays a small fraction of the log-probs' own spread whatever their scale; an engine that
+  computes another function (another LM head, another positional kernel) moves them by a large fraction of it;
+* **which distribution μ is**: for the run's sampled tokens, μ against the trainer's log softmax(z/t) for t = T
+  (correct), t = 1 (raw log-probs, or a temperature the engine ignored) and t = T² (temperature applied twice).
+  An engine that returns another distribution's log-probs is closer to that hypothesis than to the correct one;
+  this needs no threshold at all, only that the hypotheses differ by more than the noise (reported).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+# Measured on the tiny dense model, flat and peaked (benchmarks/canary_faults.py, docs/canary_faults.md): the canary's
+# relative error from rounding alone, with any bf16 side and with both sides fp32.
+BF16_NOISE_REL = 0.007
+FP32_NOISE_REL = 3e-7
+# The default bounds (--vllm.sync_check_rel_tol unset): 14x the bf16 noise, where another LM head measured 1.9-3.5;
+# with engine and trainer both in fp32, 1e-3 (3,000x the noise), where rope_theta x 100 measured 0.004 and a layer
+# one update behind 0.035. In bf16 those two stay within 5x the noise: only the checksums see a stale layer.
+REL_TOL_16BIT = 0.1
+REL_TOL_FP32 = 1e-3
+
+
+def default_rel_tol(engine_dtype: str, trainer_dtype: str) -> float:
+    """The canary's relative bound when --vllm.sync_check_rel_tol is not given: :data:`REL_TOL_FP32` when the engine
+    (``--vllm.dtype``) and the trainer (``--ds.param_dtype``) both compute in fp32, else :data:`REL_TOL_16BIT`."""
+    fp32 = engine_dtype in ("float32", "fp32") and trainer_dtype in ("float32", "fp32")
+    return REL_TOL_FP32 if fp32 else REL_TOL_16BIT
+
+
+def spread(log_probs: torch.Tensor) -> float:
+    """mean |log p − mean log p| of a 1-D tensor: the scale the canary's relative error is measured against."""
+    x = log_probs.double()
+    return (x - x.mean()).abs().mean().item()
+
+
+def relative_error(engine: torch.Tensor, trainer: torch.Tensor) -> float:
+    """r = mean |engine − trainer| / spread(trainer); inf when the trainer's log-probs have no spread at all
+    (every token equally likely: nothing a canary could tell), NaN when either side is not finite."""
+    diff = (engine.double() - trainer.double()).abs().mean().item()
+    scale = spread(trainer)
+    if scale == 0.0:
+        return float("inf") if diff > 0 else 0.0
+    return diff / scale
+
+
+def temperature_hypotheses(
+    log_probs_at: Callable[[float], torch.Tensor], temperature: float
+) -> Dict[str, torch.Tensor]:
+    """The three distributions an engine's μ can be, from ``log_probs_at(t)`` (the trainer's log-probs of the sampled
+    tokens at temperature t: log softmax(z/t), over the kept support with the sampling mask): ``"at T"`` (the one it
+    sampled from), ``"raw"`` (t = 1: raw log-probs, or the temperature ignored) and ``"T twice"`` (t = T²). At T = 1
+    the three are one distribution and only ``"at T"`` is returned."""
+    if temperature == 1.0:
+        return {"at T": log_probs_at(1.0)}
+    return {"at T": log_probs_at(temperature), "raw": log_probs_at(1.0), "T twice": log_probs_at(temperature**2)}
+
+
+HYPOTHESIS_NAMES = {
+    "at T": "log softmax(z/T)",
+    "raw": "log softmax(z) (raw log-probs, temperature 1)",
+    "T twice": "log softmax(z/T^2) (temperature applied twice)",
+}
+HYPOTHESIS_FIXES = {
+    "raw": "The engine returns raw log-probs (vLLM logprobs_mode raw_logprobs) or ignores the temperature: it must "
+    "return processed_logprobs (the distribution after temperature, top-k and top-p), as our engines set it.",
+    "T twice": "The temperature is applied twice (once by the caller, once by the engine's sampler): pass the "
+    "logits unscaled to the sampler.",
+}
+
+
+def closest_distribution(mu: torch.Tensor, hypotheses: Dict[str, torch.Tensor]) -> Dict[str, object]:
+    """Which hypothesis μ is (mean |μ − h| per hypothesis, the closest, and the gap between the correct one and the
+    nearest other, in units of μ's distance to the correct one: > 1 means the other is farther than the noise)."""
+    dist = {name: (mu.double() - h.double()).abs().mean().item() for name, h in hypotheses.items()}
+    closest = min(dist, key=dist.get)
+    others = [d for name, d in dist.items() if name != "at T"]
+    separation: Optional[float] = None
+    if others:
+        nearest_other = min(others)
+        separation = float("inf") if dist["at T"] == 0 else nearest_other / dist["at T"]
+    return {"distances": dist, "closest": closest, "separation": separation}
