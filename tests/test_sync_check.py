@@ -1,5 +1,8 @@
 """Per-tensor checksums of the weight-sync check, against hand-built fused tensors."""
 
+import os
+
+import pytest
 import torch
 
 from openrlhf_ess.trainer import sync_check
@@ -141,3 +144,44 @@ def test_expert_names_follow_the_engine_s_nesting():
     aligned = sync_check.align_experts(trainer, engine)
     assert sorted(aligned) == sorted(engine)
     assert sync_check.align_experts(trainer, ["model.layers.1.mlp.experts.w13_weight"]) == trainer
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_moe_experts_are_compared_against_a_real_engines_names(tmp_path, family):
+    """Issue 29 item 5, against a real vLLM engine rather than names read in its code: the tiny MoE model loaded by
+    vLLM CPU (0.31) names its experts ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight``, while transformers 5
+    stores them fused as ``mlp.experts.gate_up_proj`` / ``down_proj`` (not the per-expert names of transformers 4,
+    the only ones mapped before: no expert was compared). Every engine tensor with data is matched to the trainer's,
+    equal; and one element of one expert changed on the trainer's side is named."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from openrlhf_ess.tiny.world_moe import build_moe_world
+
+    model = build_moe_world(str(tmp_path / "world"), seed=0, n_prompts=8, family=family)["model"]
+    out = tmp_path / "engine.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.engine_sums", model, str(out)],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = {name: tuple(sums) for name, sums in json.loads(out.read_text()).items()}
+    experts = sorted(n for n in theirs if ".experts." in n)
+    assert len(experts) == 4 and all(n.endswith(("w13_weight", "w2_weight")) for n in experts), experts
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    ours = sync_check.align_experts(sync_check.trainer_checksums(hf.named_parameters()), theirs)
+    bad, compared = sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL)
+    assert bad == [] and compared == len(theirs), (bad, compared, sorted(set(theirs) - set(ours)))
+
+    with torch.no_grad():
+        dict(hf.named_parameters())["model.layers.1.mlp.experts.down_proj"].view(-1)[7] += 1e-3
+    ours = sync_check.align_experts(sync_check.trainer_checksums(hf.named_parameters()), theirs)
+    bad, _ = sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL)
+    assert bad == ["model.layers.1.mlp.experts.routed_experts.w2_weight"], bad

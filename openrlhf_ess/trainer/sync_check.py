@@ -21,8 +21,12 @@ Checksum = Tuple[float, float, int]  # (Σx, Σx², numel)
 # HF parameter name -> the engine's fused parameter name (vLLM's packed modules for Llama/Qwen-style models; its
 # FusedMoE stacks every expert's gate and up projections into ``experts.w13_weight`` and the down projections into
 # ``experts.w2_weight``: issue 29 item 5, MoE experts were never compared). Experts first: their names also end in
-# gate_proj/up_proj.
+# gate_proj/up_proj. transformers 5 already stores the experts fused, one 3-D ``experts.gate_up_proj`` and
+# ``experts.down_proj`` per layer (found against a real vLLM engine's names, tests/test_sync_check.py): the sums are
+# order-free, so its layout [E, 2I, H] against vLLM's w13 [E, 2I, H] (or transposed) compares all the same.
 _FUSED = (
+    (re.compile(r"\.experts\.gate_up_proj$"), ".experts.w13_weight"),
+    (re.compile(r"\.experts\.down_proj$"), ".experts.w2_weight"),
     (re.compile(r"\.experts\.\d+\.(gate|up)_proj\.weight$"), ".experts.w13_weight"),
     (re.compile(r"\.experts\.\d+\.down_proj\.weight$"), ".experts.w2_weight"),
     (re.compile(r"\.(q|k|v)_proj\."), ".qkv_proj."),
