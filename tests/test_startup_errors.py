@@ -350,3 +350,41 @@ def test_cli_engine_core_killed_mid_run_gets_our_paragraph(tiny_world, tmp_path)
     assert "RolloutRayActorImpl, pid" in ours[0] and "--ckpt.load_enable" in ours[0]
     assert run.ended_at - os.stat(marker).st_mtime < 60
     assert not run.leftovers, run.leftovers
+
+
+def test_a_checkpoint_of_another_model_names_the_keys_that_differ():
+    """Issue 30, item 10: a checkpoint of a model of another depth and width (no identity file to refuse it in
+    pre-flight) fails in PyTorch's load_state_dict; the start-up message keeps only the cause's first line, which
+    cut the key lists off. The fix now counts them and names the first three of each kind, and names
+    --actor.model_name_or_path. The error text is PyTorch's own, from a real mismatched load."""
+    import types
+
+    import torch
+
+    from openrlhf_ess.cli.train_ppo_ray import checkpoint_load_fix, state_dict_detail
+
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    try:
+        model.load_state_dict(saved.state_dict())
+    except RuntimeError as e:
+        text = str(e)
+    assert state_dict_detail(text) == (
+        "2 unexpected key(s), e.g. 2.weight, 2.bias; 3 tensor(s) of another shape, e.g. 0.weight, 0.bias, 1.weight"
+    )
+    deeper = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    )
+    try:
+        deeper.load_state_dict(saved.state_dict())
+    except RuntimeError as e:
+        text = str(e)
+    assert state_dict_detail(text) == "2 missing key(s), e.g. 3.weight, 3.bias"
+    assert state_dict_detail("CUDA error: an illegal memory access") == ""
+    args = types.SimpleNamespace(
+        ckpt=types.SimpleNamespace(path="/runs/a/ckpt"), actor=types.SimpleNamespace(model_name_or_path="/m/7b")
+    )
+    fix = checkpoint_load_fix(args, "DeepSpeed policy (actor) model rank", text)
+    assert "written for another model (--actor.model_name_or_path /m/7b)" in fix
+    assert "The checkpoint and the model differ: 2 missing key(s), e.g. 3.weight, 3.bias." in fix
+    assert "drop --ckpt.load_enable to start fresh" in fix

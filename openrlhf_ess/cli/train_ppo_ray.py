@@ -509,15 +509,41 @@ def _error_text(exc: BaseException) -> str:
     return "\n".join(f"{e}\n{getattr(e, 'traceback_str', '') or ''}" for e in _chain(exc))
 
 
-def checkpoint_load_fix(args, role: str) -> str:
-    """The fix for a checkpoint that passed the resume's checks (``trainer/resume.py``) but does not load."""
+_KEYS = (
+    ("missing", re.compile(r"Missing key\(s\) in state_dict: ([^\n]*)")),
+    ("unexpected", re.compile(r"Unexpected key\(s\) in state_dict: ([^\n]*)")),
+)
+_SIZE_MISMATCH = re.compile(r"size mismatch for ([\w.]+)")
+
+
+def state_dict_detail(text: str) -> str:
+    """What PyTorch's ``load_state_dict`` said differs, counted, with the first three names of each kind (the
+    start-up message keeps only the cause's first line, which cuts the key lists off); "" when it named none."""
+    parts = []
+    for kind, pattern in _KEYS:
+        found = pattern.search(text)
+        keys = list(dict.fromkeys(re.findall(r'"([^"]+)"', found.group(1)))) if found else []
+        if keys:
+            parts.append(f"{len(keys)} {kind} key(s), e.g. {', '.join(keys[:3])}")
+    sizes = list(dict.fromkeys(_SIZE_MISMATCH.findall(text)))
+    if sizes:
+        parts.append(f"{len(sizes)} tensor(s) of another shape, e.g. {', '.join(sizes[:3])}")
+    return "; ".join(parts)
+
+
+def checkpoint_load_fix(args, role: str, text: str = "") -> str:
+    """The fix for a checkpoint that passed the resume's checks (``trainer/resume.py``) but does not load;
+    ``text``: the error's text, for the keys that differ."""
     folder = resume.actor_dir(args.ckpt.path)
+    detail = state_dict_detail(text)
+    detail = f" The checkpoint and the model differ: {detail}." if detail else ""
     return (
         f"the {role} loads the checkpoint that --ckpt.load_enable resumes from (--ckpt.path {args.ckpt.path}), and it "
-        "does not load: it is damaged, or was written with other --ds.* or GPU-count flags (the cause above says "
-        f"which). Move its global_step* folder out of {folder} (nothing else is needed: the resume then loads the "
-        "newest complete one before it), resume with the flags it was written with, or drop --ckpt.load_enable to "
-        "start fresh"
+        "does not load: it is damaged, or was written for another model (--actor.model_name_or_path "
+        f"{args.actor.model_name_or_path}) or with other --ds.* or GPU-count flags (the cause above says which)."
+        f"{detail} Move its global_step* folder out of {folder} (nothing else is needed: the resume then loads the "
+        "newest complete one before it), resume with the model and flags it was written with, or drop "
+        "--ckpt.load_enable to start fresh"
     )
 
 
@@ -537,7 +563,7 @@ def startup_message(exc: BaseException, args) -> str:
             "job starting on this machine at the same moment?); nothing is wrong with the model or flags"
         )
     elif _CHECKPOINT_LOAD.search(_error_text(exc)) and args.ckpt.load_enable:
-        fix = checkpoint_load_fix(args, origin.role)
+        fix = checkpoint_load_fix(args, origin.role, _error_text(exc))
     else:
         fix = fixes[0]
     verb = "failed to start" if origin.init else "died" if origin.died else "raised"
