@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=$ROOT/.venv
 STAMP=$VENV/.openrlhf-ess-installed
-WANT=$(cat "$ROOT/requirements/cpu.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16)
+WANT=$(cat "$ROOT/requirements/cpu.txt" "$ROOT/requirements/cpu.lock.txt" "$ROOT/setup.py" | sha256sum | cut -c1-16)
 # DeepSpeed JIT-builds its CPU shm comm op on first use (34-60 s) under a lock file that a run killed meanwhile
 # leaves behind, hanging every later run: build it once here, into the folder scripts/env_cpu.sh points runs at.
 EXT=${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}
@@ -23,7 +23,8 @@ PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/pip --disable-pip-version-check"
 # DS_BUILD_OPS=0: DeepSpeed builds its ops lazily (and we avoid the CPU Adam build entirely).
-DS_BUILD_OPS=0 $PIP install -q -r "$ROOT/requirements/cpu.txt"
+# The lock pins every package the requirements pull (a reproducible install: requirements/cpu.lock.txt).
+DS_BUILD_OPS=0 $PIP install -q -r "$ROOT/requirements/cpu.txt" -c "$ROOT/requirements/cpu.lock.txt"
 # openrlhf hard-requires flash-attn, which cannot be built without CUDA: install it alone, its other
 # requirements are in requirements/cpu.txt.
 $PIP install -q --no-deps openrlhf==0.11.2
