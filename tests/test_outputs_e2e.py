@@ -81,6 +81,7 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
         AutoModelForCausalLM.from_pretrained(fallback)  # a whole model
         assert sorted(os.listdir(output_dir)) == ["checkpoints"]  # no partial model, no staging, no lock
         assert not os.path.exists(os.path.join(ckpt, run_lock.LOCK_NAME)) and not run.leftovers
+        assert not run.shm_left, run.shm_left  # issue 30 item 3: /dev/shm as before the failed run
         assert open(os.path.join(ckpt, "_actor", "latest")).read().strip() == "global_step2"
 
         # 3: the newest checkpoint cut short, then a resume
@@ -88,7 +89,7 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
         with open(states, "r+b") as f:
             f.truncate(os.path.getsize(states) // 2)
         third = run_cli_tracked(args + ["--ckpt.load_enable"], run_dir, timeout=900)
-        assert third.rc == 0 and not third.leftovers, third.log[-5000:]
+        assert third.rc == 0 and not third.leftovers and not third.shm_left, (third.shm_left, third.log[-5000:])
         assert "checkpoint global_step2 is broken (mp_rank_00_model_states.pt is truncated" in third.log
         assert "loading global_step1, the newest complete one" in third.log
         assert f"resume: loading global_step1 from {ckpt}/_actor (the newest complete checkpoint)" in third.log
@@ -120,6 +121,7 @@ def test_a_failed_final_save_under_zero3_with_two_ranks_does_not_hang(tiny_world
     try:
         run = run_cli_tracked(args, run_dir, timeout=600, env={saving.FAULT_ENV: "ENOSPC"})
         assert run.rc == 1 and not run.timed_out and not run.leftovers, run.log[-5000:]
+        assert not run.shm_left, run.shm_left
         match = re.search(r"it was written to (\S+) instead", run.log)
         assert match and "(No space left on device (injected by OPENRLHF_ESS_FAULT_FINAL_SAVE)" in run.log
         fallback = match.group(1)
