@@ -102,7 +102,9 @@ def test_rounding_passes_both_checks(engines, dtype):
     v = _verdict(("none", dtype), engines)
     assert not v["canary fails"] and v["sampled"] == "at T", v
     noise = canary.BF16_NOISE_REL if dtype == "bf16" else canary.FP32_NOISE_REL
-    assert v["rel"] <= noise * 1.5, v  # the documented noise, measured again
+    # the documented noise's order, measured again; vLLM CPU's kernels differ by instruction set (AVX2, AVX-512,
+    # AMX), so another machine's rounding may differ by a small factor: still 5x (bf16) and 100x (fp32) below the bound
+    assert v["rel"] <= noise * (3 if dtype == "bf16" else 30), v
     assert v["rel_tol"] == (0.1 if dtype == "bf16" else 1e-3)
 
 
