@@ -16,12 +16,10 @@ import os
 import tempfile
 from typing import Dict, List
 
-# variable -> its default folder as the library computes it (Triton: ~/.triton/cache, DeepSpeed's autotune beside it;
-# vLLM: $XDG_CACHE_HOME/vllm or ~/.cache/vllm)
-CACHE_VARIABLES = ("TRITON_CACHE_DIR", "VLLM_CACHE_ROOT")
-
 
 def _defaults(home: str) -> Dict[str, str]:
+    """Each cache variable -> its default folder as the library computes it (Triton: ~/.triton/cache, DeepSpeed's
+    autotune beside it; vLLM: $XDG_CACHE_HOME/vllm or ~/.cache/vllm)."""
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
     return {"TRITON_CACHE_DIR": os.path.join(home, ".triton", "cache"), "VLLM_CACHE_ROOT": os.path.join(xdg, "vllm")}
 
@@ -37,7 +35,7 @@ def creatable(folder: str) -> bool:
 
 
 def redirect_unwritable_caches(environ=None) -> List[str]:
-    """Set each cache variable of :data:`CACHE_VARIABLES` that is unset and whose default folder cannot be created
+    """Set each cache variable of :func:`_defaults` that is unset and whose default folder cannot be created
     to ``<tmp>/openrlhf-ess-<uid>/<name>``; returns one notice per variable set (empty when HOME is writable)."""
     env = os.environ if environ is None else environ
     home = os.path.expanduser("~")

@@ -86,12 +86,12 @@ def _verdict(case, engines):
     rel = canary.relative_error(torch.tensor(eng["canary"]), canary_lp)
     absolute = (torch.tensor(eng["canary"]) - canary_lp).abs().mean().item()
     hypotheses = {"at T": hyp["at T"], "raw": hyp["raw (T = 1)"], "T twice": hyp["T twice"]}
-    which = canary.closest_distribution(torch.tensor(eng["sample"]), hypotheses)
+    rel_tol = rel_tolerance(args)
     return {
-        "rel_tol": rel_tolerance(args),
-        "canary fails": absolute > args.vllm.sync_check_tol or rel > rel_tolerance(args),
+        "rel_tol": rel_tol,
+        "canary fails": not canary.within_bounds(absolute, rel, args.vllm.sync_check_tol, rel_tol),
         "absolute bound alone fails": absolute > args.vllm.sync_check_tol,
-        "sampled": which["closest"],
+        "sampled": canary.other_distribution(torch.tensor(eng["sample"]), hypotheses, rel_tol) or "at T",
         "rel": rel,
         "abs": absolute,
     }
@@ -125,3 +125,23 @@ def test_another_positional_kernel_fails_the_fp32_bound(engines):
     0.007; docs/canary_faults.md), and which both sides in fp32 show 10,000 times above their rounding."""
     v = _verdict(("rope", "fp32"), engines)
     assert v["canary fails"] and not v["absolute bound alone fails"], v
+
+
+def test_the_verdicts_by_hand():
+    """The two decisions weight_sync.py takes, on hand-made numbers."""
+    assert canary.within_bounds(0.01, 0.05, 0.5, 0.1)
+    assert not canary.within_bounds(0.6, 0.05, 0.5, 0.1)  # the absolute bound
+    assert not canary.within_bounds(0.2, 0.3, 0.5, 0.1)  # the relative bound
+    assert canary.within_bounds(0.2, 0.3, 0.5, 0.0)  # 0 disables it
+    assert not canary.within_bounds(float("nan"), 0.0, 0.5, 0.1)
+    z = torch.tensor([[2.0, 0.0, -1.0], [0.5, 1.5, 0.0]])
+    tokens = torch.tensor([0, 2])
+
+    def at(t):
+        return (z / t).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+
+    hyp = canary.temperature_hypotheses(at, 0.5)
+    assert canary.other_distribution(at(1.0), hyp, 0.1) == "raw"
+    assert canary.other_distribution(at(0.25), hyp, 0.1) == "T twice"
+    assert canary.other_distribution(at(0.5), hyp, 0.1) is None
+    assert canary.other_distribution(at(0.5) + 5.0, hyp, 0.1) is None  # far from all three: another function

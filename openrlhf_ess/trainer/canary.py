@@ -16,6 +16,7 @@ nats than a flat model's faults. Two statistics that do not depend on the scale:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional
 
 import torch
@@ -90,3 +91,19 @@ def closest_distribution(mu: torch.Tensor, hypotheses: Dict[str, torch.Tensor]) 
         nearest_other = min(others)
         separation = float("inf") if dist["at T"] == 0 else nearest_other / dist["at T"]
     return {"distances": dist, "closest": closest, "separation": separation}
+
+
+def within_bounds(diff: float, rel: float, tol: float, rel_tol: float) -> bool:
+    """The canary's verdict: mean |Δ| ``diff`` ≤ ``tol`` (``--vllm.sync_check_tol``) and, unless ``rel_tol`` is 0,
+    the relative error ``rel`` ≤ ``rel_tol``. NaN compares False with everything: NaN weights on either side fail."""
+    return math.isfinite(diff) and diff <= tol and (rel_tol <= 0 or rel <= rel_tol)
+
+
+def other_distribution(mu: torch.Tensor, hypotheses: Dict[str, torch.Tensor], rel_tol: float) -> Optional[str]:
+    """The hypothesis other than ``"at T"`` that μ is, up to rounding (its relative error to it within
+    max(``rel_tol``, :data:`REL_TOL_16BIT`)), or None: μ merely closer to another one than to the right one is
+    another function, left to the bounds."""
+    closest = closest_distribution(mu, hypotheses)["closest"]
+    if closest != "at T" and relative_error(mu, hypotheses[closest]) <= max(rel_tol, REL_TOL_16BIT):
+        return closest
+    return None

@@ -15,7 +15,6 @@ model's weights and the audit trail need the whole model once, on rank 0's host.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
@@ -280,26 +279,23 @@ class WeightSync:
         # Which distribution mu is (trainer/canary.py): scale-free, where the bound below misses a temperature
         # or logprobs-mode error on a flat model (0.07 nats at T 0.6 on the tiny one, docs/canary_faults.md).
         hypotheses = canary.temperature_hypotheses(log_probs_at, temperature)
-        which = canary.closest_distribution(mu, hypotheses)
         rel_tol = rel_tolerance(args)
-        named = which["closest"] != "at T" and canary.relative_error(mu, hypotheses[which["closest"]]) <= max(
-            rel_tol, canary.REL_TOL_16BIT
-        )  # mu is that other distribution, up to rounding (not merely less far from it: another function)
+        named = canary.other_distribution(mu, hypotheses, rel_tol)
         if named:
-            d = which["distances"]
+            d = canary.closest_distribution(mu, hypotheses)["distances"]
             raise RuntimeError(
                 f"start-up self-check failed (engine contract): {n} tokens sampled by vLLM engine 0 at temperature "
-                f"{temperature} have log-probs mu closest to the trainer's {canary.HYPOTHESIS_NAMES[which['closest']]}"
-                f" (mean |diff| {d[which['closest']]:.2e} nats) and {d['at T']:.2e} nats from log softmax(z/T), the "
+                f"{temperature} have log-probs mu closest to the trainer's {canary.HYPOTHESIS_NAMES[named]}"
+                f" (mean |diff| {d[named]:.2e} nats) and {d['at T']:.2e} nats from log softmax(z/T), the "
                 "distribution the engine sampled from. "
-                + canary.HYPOTHESIS_FIXES[which["closest"]]
+                + canary.HYPOTHESIS_FIXES[named]
                 + " Every importance weight would be off. Or skip with --selfcheck off."
             )
         ours = hypotheses["at T"]
         diff = (ours - mu).abs().mean().item()
         rel = canary.relative_error(mu, ours)
         tol = args.vllm.sync_check_tol
-        if not (math.isfinite(diff) and diff <= tol) or (rel_tol > 0 and not rel <= rel_tol):
+        if not canary.within_bounds(diff, rel, tol, rel_tol):
             raise RuntimeError(
                 f"start-up self-check failed (engine contract): {n} tokens sampled by vLLM engine 0 with the run's "
                 f"settings (temperature {temperature}, top-p {args.rollout.top_p}, top-k "
@@ -336,14 +332,9 @@ class WeightSync:
             }
         )
         tol, rel_tol = self.args.vllm.sync_check_tol, rel_tolerance(self.args)
-        # NaN compares False with everything: a NaN diff (NaN weights on either side) must fail too. The relative
-        # bound (trainer/canary.py) is what separates another function from bf16 noise on a flat model, where
-        # every fault stays far below the absolute one (docs/canary_faults.md).
-        bad = [
-            i
-            for i, (d, r) in enumerate(zip(diffs, rels))
-            if not (math.isfinite(d) and d <= tol) or (rel_tol > 0 and not r <= rel_tol)
-        ]
+        # The relative bound (trainer/canary.py) is what separates another function from bf16 noise on a flat
+        # model, where every fault stays far below the absolute one (docs/canary_faults.md).
+        bad = [i for i, (d, r) in enumerate(zip(diffs, rels)) if not canary.within_bounds(d, r, tol, rel_tol)]
         worst = f"{max(diffs):.3f} nats (mean |diff|; {max(rels):.3f} of the log-probs' own spread)"
         if bad and startup:
             raise RuntimeError(
