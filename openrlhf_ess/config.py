@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import types
 from typing import List
 
@@ -63,9 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--vllm.cpu_kv_cache_gb",
         type=float,
-        default=1.0,
-        help="KV-cache size per vLLM engine on a machine without CUDA (vLLM's CPU backend cannot size it from "
-        "--vllm.gpu_memory_utilization). Ignored where CUDA exists.",
+        default=None,
+        help="KV-cache size per vLLM engine on a machine without CUDA, in GiB (vLLM's CPU backend cannot size it "
+        "from --vllm.gpu_memory_utilization). Default: VLLM_CPU_KVCACHE_SPACE if set (vLLM CPU's own variable, "
+        "whole GiB), else 1. The engines are started without that variable, which vLLM CPU would let override "
+        "this flag. Ignored where CUDA exists.",
     )
     group.add_argument(
         "--vllm.sync_check_tol",
@@ -629,8 +632,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             f"--vllm.sync_check_canary_every must be >= 1, got {args.vllm.sync_check_canary_every} "
             "(--vllm.sync_check_tol 0 disables the whole check)."
         )
-    if args.vllm.cpu_kv_cache_gb <= 0:
-        raise ConfigError(f"--vllm.cpu_kv_cache_gb must be > 0, got {args.vllm.cpu_kv_cache_gb}.")
+    _resolve_cpu_kv_cache(args, notices)
     if args.vllm.fp32_lm_head and not args.vllm.num_engines:
         raise ConfigError("--vllm.fp32_lm_head sets the vLLM engines' LM head: it needs --vllm.num_engines >= 1.")
     if args.vllm.fp32_lm_head and args.vllm.dtype == "float32":
@@ -768,6 +770,37 @@ def _validate_gpu_path(args: types.SimpleNamespace) -> None:
                 "would fail. Drop them (--selfcheck off, --vllm.sync_check_tol 0, --algo.prox_mode snapshot) or "
                 "use --ds.ring_attn_size 1."
             )
+
+
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def _resolve_cpu_kv_cache(args: types.SimpleNamespace, notices: List[str]) -> None:
+    """--vllm.cpu_kv_cache_gb: the flag, else vLLM CPU's own VLLM_CPU_KVCACHE_SPACE, else 1 GiB.
+
+    vLLM CPU reads that variable in ``CpuPlatform.check_and_update_config`` and lets it replace the engine's
+    ``kv_cache_memory_bytes`` (a "legacy setting"), so with the variable set anywhere in the engine's environment
+    the flag did nothing. The engine actor now starts vLLM without it (``trainer/ray/vllm_engine.py``)."""
+    env = os.environ.get(KV_CACHE_ENV, "")
+    if args.vllm.cpu_kv_cache_gb is None:
+        if env:
+            try:
+                args.vllm.cpu_kv_cache_gb = float(env)
+            except ValueError:
+                raise ConfigError(
+                    f"{KV_CACHE_ENV}={env!r} is not a number of GiB: set it to a whole number (vLLM CPU reads it "
+                    "with int()), or unset it and use --vllm.cpu_kv_cache_gb."
+                ) from None
+        else:
+            args.vllm.cpu_kv_cache_gb = 1.0
+    elif env and env != "0":
+        notices.append(
+            f"--vllm.cpu_kv_cache_gb {args.vllm.cpu_kv_cache_gb:g} sizes the engines' KV cache; {KV_CACHE_ENV}={env} "
+            "(which vLLM CPU would let override it) is not passed to the engines."
+        )
+    if not args.vllm.cpu_kv_cache_gb > 0:
+        where = "--vllm.cpu_kv_cache_gb" if not env else f"--vllm.cpu_kv_cache_gb (or {KV_CACHE_ENV})"
+        raise ConfigError(f"{where} must be > 0, got {args.vllm.cpu_kv_cache_gb:g}.")
 
 
 def _validate_opob(args: types.SimpleNamespace, notices: List[str]) -> None:

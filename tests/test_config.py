@@ -146,3 +146,27 @@ def test_score_at_sync_modes_accepted_and_dedicated_gets_a_device(tiny_world):
     dedicated, _ = cli.parse_args(_base(tiny_world) + ["--train.async_enable", "--algo.prox_mode", "dedicated"])
     assert config.logical_gpus_needed(dedicated) == config.logical_gpus_needed(base) + 1
     assert config.logical_gpus_needed(args) == config.logical_gpus_needed(base)
+
+
+def test_cpu_kv_cache_comes_from_the_flag_else_vllms_variable_else_1_gib(tiny_world, monkeypatch):
+    """vLLM CPU lets VLLM_CPU_KVCACHE_SPACE replace the engine's kv_cache_memory_bytes, so the flag did nothing
+    wherever the variable was set (scripts/env_cpu.sh set it). Now: the flag, else the variable, else 1 GiB; the
+    engine kwargs carry the bytes, and the engine actor drops the variable (the real engine: test_e2e_cli.py)."""
+    from openrlhf_ess.trainer.ray.vllm_engine import engine_kwargs
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    args, notices = cli.parse_args(_base(tiny_world))
+    assert args.vllm.cpu_kv_cache_gb == 1.0 and engine_kwargs(args)["kv_cache_memory_bytes"] == 1 << 30
+    assert not any("KVCACHE" in n for n in notices)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    args, notices = cli.parse_args(_base(tiny_world))
+    assert args.vllm.cpu_kv_cache_gb == 3.0 and engine_kwargs(args)["kv_cache_memory_bytes"] == 3 << 30
+    args, notices = cli.parse_args(_base(tiny_world) + ["--vllm.cpu_kv_cache_gb", "0.25"])
+    assert engine_kwargs(args)["kv_cache_memory_bytes"] == 1 << 28
+    assert any("--vllm.cpu_kv_cache_gb 0.25 sizes" in n and "VLLM_CPU_KVCACHE_SPACE=3" in n for n in notices)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(config.ConfigError, match="VLLM_CPU_KVCACHE_SPACE='lots' is not a number of GiB"):
+        cli.parse_args(_base(tiny_world))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    with pytest.raises(config.ConfigError, match=r"--vllm.cpu_kv_cache_gb \(or VLLM_CPU_KVCACHE_SPACE\) must be > 0"):
+        cli.parse_args(_base(tiny_world))

@@ -74,10 +74,14 @@ def _check_metric_channels(run_dir, log, scalars):
 def test_sync_run_writes_tensorboard_and_wandb(tiny_world, tmp_path):
     run_dir = str(tmp_path)
     # The engine as users get it by default (torch.compile), here and in the all-corrections run below.
-    args = tiny_args(tiny_world, run_dir, compiled=True) + ["--logger.wandb.key", "offline-" + "0" * 32]
+    args = tiny_args(tiny_world, run_dir, compiled=True, kv_cache_gb=None) + [
+        "--logger.wandb.key",
+        "offline-" + "0" * 32,
+    ]
     rc, log = run_cli(args, run_dir)
     _check_run(run_dir, rc, log, steps=2)
     assert "--vllm.sync_backend nccl -> reload" in log
+    assert "Explicitly set (1.0/" in log  # vLLM CPU's KV cache at --vllm.cpu_kv_cache_gb's default, 1 GiB
     scalars = read_tensorboard(run_dir)
     diffs = [v for _, v in scalars["train/sync/canary_mean_abs_diff"]]
     assert diffs and max(diffs) < 0.5  # the first sync's canary: the engine matches the trainer
@@ -107,8 +111,12 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     args = tiny_args(tiny_world, run_dir, steps_prompts=24, compiled=True)
     args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
     wandb = ["--logger.wandb.key", "offline-" + "0" * 32]
-    rc, log = run_cli(args + flags + wandb + ["--ref.num_gpus_per_node", "1"], run_dir)
+    # vLLM CPU's own variable set as env_cpu.sh once did: --vllm.cpu_kv_cache_gb (64 MiB here) must still win
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    rc, log = run_cli(args + flags + wandb + ["--ref.num_gpus_per_node", "1"], run_dir, env=env)
     scalars = _check_run(run_dir, rc, log, steps=3)
+    assert "VLLM_CPU_KVCACHE_SPACE=1 (which vLLM CPU would let override it) is not passed" in log
+    assert "Explicitly set (0.06/" in log and "Explicitly set (1.0/" not in log  # vLLM's own line: 64 MiB
     assert "--vllm.fp32_lm_head: LM head dtypes per worker [['torch.float32']]" in log, log[-6000:]
     _check_metric_channels(run_dir, log, scalars)
     # the plots command on this real run's logs: every figure has data

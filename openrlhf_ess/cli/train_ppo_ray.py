@@ -36,7 +36,7 @@ _FORWARDED_ENV = {
     "NCCL_DEBUG": "WARN",
     "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
     "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": None,  # forwarded if set; the engine actor drops it (config._resolve_cpu_kv_cache)
     "VLLM_ENABLE_V1_MULTIPROCESSING": None,
     "TORCH_EXTENSIONS_DIR": None,
     "WANDB_MODE": None,

@@ -8,16 +8,21 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+TEST_KV_GB = 0.0625  # the test runs' KV cache per engine (64 MiB), as the in-process test engines have
+
+
 def ray_temp_dir(run_dir: str) -> str:
     """The private Ray temp dir of a test run (short: Ray's socket paths must stay under ~107 chars)."""
     return os.path.join("/tmp", "ray_ess_" + os.path.basename(run_dir.rstrip("/"))[-20:])
 
 
-def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16, compiled: bool = False) -> list:
+def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16, compiled: bool = False, kv_cache_gb=TEST_KV_GB):
     """CLI flags for a short tiny run: ``steps_prompts`` prompts in batches of 8 (4 samples each). The engine runs
     eager (``--vllm.enforce_eager``) unless ``compiled``: torch.compile's warm-up takes 8-30 s of a 2-core machine
-    per run (docs/tests.md); the runs that keep the compiled engine users get by default say so."""
-    return [
+    per run (docs/tests.md); the runs that keep the compiled engine users get by default say so. Its KV cache is
+    ``kv_cache_gb`` (``--vllm.cpu_kv_cache_gb``; ``None``: the CLI's default, 1 GiB, whose zeroing took 5-11 s of a
+    run's start here); 64 MiB holds 65,536 tokens, 20x what the largest test run keeps at once."""
+    args = [
         "--actor.model_name_or_path",
         world["model"],
         "--data.prompt_dataset",
@@ -68,7 +73,12 @@ def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16, compiled: bool
         "e2e",
         "--ray.temp_dir",
         ray_temp_dir(run_dir),
-    ] + ([] if compiled else ["--vllm.enforce_eager"])
+    ]
+    if not compiled:
+        args.append("--vllm.enforce_eager")
+    if kv_cache_gb is not None:
+        args += ["--vllm.cpu_kv_cache_gb", str(kv_cache_gb)]
+    return args
 
 
 # What the last run_cli left: "leftovers" (processes of the run still alive 20 s after the CLI exited; then ended)

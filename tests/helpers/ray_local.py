@@ -17,7 +17,7 @@ def local_ray(num_gpus: int = 2, num_cpus: int = 4):
     temp_dir = tempfile.mkdtemp(prefix="ray_t_", dir="/tmp")
     # before ray.init: Ray's processes inherit the run's token; the files this test process maps itself are not Ray's
     watch = shm_cleanup.ShmWatch(root_files=False).start()
-    env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     ray.init(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,

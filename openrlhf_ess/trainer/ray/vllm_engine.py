@@ -305,6 +305,10 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             # Set before the engine is built: the engine core and its workers inherit the environment (Ray TP
             # workers get every VLLM_* variable). Cost: V1's runner instead of V2's, for mask runs only.
             os.environ[V2_RUNNER_ENV] = "0"
+        if kwargs.get("kv_cache_memory_bytes") is not None:
+            # vLLM CPU lets this variable replace kv_cache_memory_bytes (platforms/cpu.py, "legacy setting"): the
+            # size is --vllm.cpu_kv_cache_gb's, resolved from the variable in the driver when the flag is unset.
+            os.environ.pop(config.KV_CACHE_ENV, None)
         if reward_timeout_s is None:
             await super().__init__(*args, **kwargs)
         else:  # upstream's init, building our single-turn executor (the reward call's seam)
