@@ -13,7 +13,8 @@ import os
 import types
 from typing import List
 
-from openrlhf_ess import cpu_compat, upstream
+from openrlhf_ess import upstream
+from openrlhf_ess.runtime import cpu_compat
 
 RELOAD_BACKEND = "reload"
 # --reward.timeout_s default: upstream's own bound on an HTTP reward request (aiohttp total timeout, utils/agent.py)
@@ -798,7 +799,7 @@ def _resolve_cpu_kv_cache(args: types.SimpleNamespace, notices: List[str]) -> No
             f"--vllm.cpu_kv_cache_gb {args.vllm.cpu_kv_cache_gb:g} sizes the engines' KV cache; {KV_CACHE_ENV}={env} "
             "(which vLLM CPU would let override it) is not passed to the engines."
         )
-    if not args.vllm.cpu_kv_cache_gb > 0:
+    if args.vllm.cpu_kv_cache_gb <= 0:  # NaN: pre-flight names it (flags._check_floats)
         where = "--vllm.cpu_kv_cache_gb" if not env else f"--vllm.cpu_kv_cache_gb (or {KV_CACHE_ENV})"
         raise ConfigError(f"{where} must be > 0, got {args.vllm.cpu_kv_cache_gb:g}.")
 
