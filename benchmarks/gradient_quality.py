@@ -72,7 +72,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from openrlhf_ess import cpu_compat  # noqa: E402
+from openrlhf_ess.runtime import cpu_compat  # noqa: E402
 
 cpu_compat.apply()  # upstream's models package imports flash_attn at module level
 

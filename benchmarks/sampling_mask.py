@@ -96,7 +96,7 @@ def micro(vocab: int = 151_936, tokens: int = 1024, reps: int = 5, masked_fn=Non
     (-> log-probs) replaces the masked side, to measure another implementation the same way."""
     import torch
 
-    from openrlhf_ess import cpu_compat
+    from openrlhf_ess.runtime import cpu_compat
 
     cpu_compat.apply()  # upstream's models package imports flash-attn, absent on CPU
     from openrlhf.models.utils import log_probs_from_logits

@@ -241,14 +241,14 @@ def prepare_imports(args, info: dict, deepspeed_stack: bool) -> List[str]:
     if not deepspeed_stack:
         return notes
     if args.device == "cpu" and available("openrlhf"):
-        from openrlhf_ess import cpu_compat
+        from openrlhf_ess.runtime import cpu_compat
 
         try:
             cpu_compat.apply()  # as the tests do: the flash_attn shim and every CPU patch
         except ImportError as err:  # openrlhf incomplete: the checks that need it say so
             notes.append(f"cpu_compat.apply() stopped: {missing_reason(err)}")
     elif args.device == "cuda" and available("openrlhf") and not available("flash_attn"):
-        from openrlhf_ess import cpu_compat
+        from openrlhf_ess.runtime import cpu_compat
 
         # cpu_compat.apply() is a no-op where CUDA exists, but openrlhf.models imports flash_attn at module level:
         # the same shim, on its own (the sdpa attention used here never calls flash_attn).
@@ -265,7 +265,7 @@ def torch_adam_on_cuda(args) -> Optional[str]:
     """On CUDA, unless --fused-adam: torch's AdamW instead of DeepSpeed's JIT-built FusedAdam (no nvcc build)."""
     if args.device != "cuda" or args.fused_adam:
         return None
-    from openrlhf_ess import cpu_compat
+    from openrlhf_ess.runtime import cpu_compat
 
     cpu_compat._patch_torch_adam()
     return (
@@ -1127,7 +1127,8 @@ def rank_collectives(args, options: dict) -> dict:
     probes all-gathered over the same group (the driver's ray.get in the real check)."""
     import torch.distributed as dist
 
-    from openrlhf_ess import distributed, selfcheck
+    from openrlhf_ess import distributed
+    from openrlhf_ess.checks import selfcheck
 
     rank, world, device = _rank_init(args, options)
     forced = world == 1
@@ -1162,7 +1163,7 @@ def run_rank(args) -> int:
 
 
 def worker_placement(rec: Recorder, args) -> None:
-    from openrlhf_ess import selfcheck
+    from openrlhf_ess.checks import selfcheck
 
     cuda = args.device == "cuda"
     world = world_for(args)
@@ -1232,7 +1233,7 @@ def worker_placement(rec: Recorder, args) -> None:
 def worker_selfcheck_collectives(rec: Recorder, args) -> None:
     import copy
 
-    from openrlhf_ess import selfcheck
+    from openrlhf_ess.checks import selfcheck
 
     cuda = args.device == "cuda"
     world = world_for(args)
@@ -1306,7 +1307,7 @@ def _memory_expected() -> dict:
 
 
 def _memory_verdict(report: dict):
-    from openrlhf_ess import selfcheck
+    from openrlhf_ess.checks import selfcheck
 
     try:
         return selfcheck.check_memory([report], MEMORY_ARGS), None
@@ -1315,7 +1316,7 @@ def _memory_verdict(report: dict):
 
 
 def worker_memory(rec: Recorder, args) -> None:
-    from openrlhf_ess import selfcheck
+    from openrlhf_ess.checks import selfcheck
 
     c, MiB = MEMORY_CASE, 1 << 20
     model_bytes = c["params"] * c["bytes_per_param"]

@@ -22,7 +22,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vLLM CPU lets this variable replace any engine's own KV-cache size: the tests' engines size theirs (64 MiB
 # in-process, --vllm.cpu_kv_cache_gb in CLI runs), whatever the developer's shell exports.
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-# The runs' /dev/shm ledgers (openrlhf_ess/shm_cleanup.py) in the suite's own folder, not the user's state folder.
+# The runs' /dev/shm ledgers (openrlhf_ess/runtime/shm_cleanup.py) in the suite's own folder, not the user's state
+# folder.
 if "OPENRLHF_ESS_STATE_DIR" not in os.environ:
     os.environ["OPENRLHF_ESS_STATE_DIR"] = tempfile.mkdtemp(prefix="ess_state_")
     atexit.register(shutil.rmtree, os.environ["OPENRLHF_ESS_STATE_DIR"], ignore_errors=True)

@@ -20,8 +20,9 @@ def _args(address, accelerator="auto"):
 
 
 def test_gpu_cluster_seen_from_a_driver_without_cuda(monkeypatch):
-    from openrlhf_ess import config, cpu_compat
+    from openrlhf_ess import config
     from openrlhf_ess.cli import train_ppo_ray as cli
+    from openrlhf_ess.runtime import cpu_compat
     from tests.test_recipes import SCRIPTS, _argv
 
     monkeypatch.delenv(cpu_compat.DEVICE_ENV, raising=False)
@@ -43,8 +44,9 @@ def test_gpu_cluster_seen_from_a_driver_without_cuda(monkeypatch):
 
 
 def test_disagreeing_gpu_nodes_are_refused_with_the_flag(monkeypatch):
-    from openrlhf_ess import config, cpu_compat
+    from openrlhf_ess import config
     from openrlhf_ess.cli import train_ppo_ray as cli
+    from openrlhf_ess.runtime import cpu_compat
 
     monkeypatch.setattr(cli, "_probe_gpu_nodes", lambda address: {"10.0.0.1 (a)": True, "10.0.0.2 (b)": False})
     with pytest.raises(config.ConfigError, match="--ray.accelerator cuda"):

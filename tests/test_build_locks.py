@@ -1,4 +1,4 @@
-"""Stale torch extension build locks (openrlhf_ess/build_locks.py, issue 21 item 11): a run killed while DeepSpeed
+"""Stale torch extension build locks (runtime/build_locks.py, issue 21 item 11): a run killed while DeepSpeed
 JIT-builds its shm comm op leaves ``<op>/lock``, on which every later run waits forever (torch's FileBaton). The
 builder is simulated by a child process that takes the lock with torch's own FileBaton, as cpp_extension.load
 does, and is SIGKILLed (or kept alive) by this test; every child is ended by its PID."""
@@ -13,7 +13,8 @@ import time
 import pytest
 from torch.utils.file_baton import FileBaton
 
-from openrlhf_ess import build_locks, preflight
+from openrlhf_ess.checks import preflight
+from openrlhf_ess.runtime import build_locks
 from tests.test_preflight import _args
 
 HOLD = (

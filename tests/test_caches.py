@@ -1,4 +1,4 @@
-"""Issue 30, item 11: a HOME the run cannot write (openrlhf_ess/caches.py). Before the fix ``import deepspeed``
+"""Issue 30, item 11: a HOME the run cannot write (openrlhf_ess/runtime/caches.py). Before the fix ``import deepspeed``
 (through our CLI's first import) raised FileNotFoundError / OSError from ``os.makedirs(~/.triton/autotune)``
 with no line of ours. A folder under /proc stands in for a read-only HOME: nothing can be created there, for root
 too (as on a read-only mount), which mode bits cannot arrange for root."""
@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from openrlhf_ess import caches
+from openrlhf_ess.runtime import caches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNWRITABLE_HOME = "/proc/openrlhf-ess-no-home"

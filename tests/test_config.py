@@ -14,7 +14,7 @@ DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 
 
 def _doc_rows(preflight: bool = False):
     """(flags, error name, message) for each row of a bad-input table in docs/bad_inputs.md: the rows rejected by
-    parse_args, or (``preflight``) those rejected by ``openrlhf_ess.preflight.check`` (tests/test_preflight.py)."""
+    parse_args, or (``preflight``) those rejected by ``checks.preflight.check`` (tests/test_preflight.py)."""
     rows = []
     for line in open(DOC):
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

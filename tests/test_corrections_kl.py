@@ -14,7 +14,7 @@ F64 = torch.float64
 
 def _upstream_compute_approx_kl():
     """Upstream's ``compute_approx_kl``, imported the way the product imports upstream (CPU patches first)."""
-    from openrlhf_ess import cpu_compat
+    from openrlhf_ess.runtime import cpu_compat
 
     cpu_compat.apply()
     from openrlhf.models.utils import compute_approx_kl
@@ -201,7 +201,7 @@ def test_tis_cap_binds_with_hand_values():
 
 
 def test_whole_weight_is_bounded_by_upstreams_kl_is_weight_clip():
-    from openrlhf_ess import cpu_compat
+    from openrlhf_ess.runtime import cpu_compat
 
     cpu_compat.apply()
     from openrlhf.models.utils import KL_IS_WEIGHT_CLIP

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 pytestmark = pytest.mark.skipif(cpu_compat.cuda_available(), reason="CPU patches are inert where CUDA exists")
 
@@ -50,7 +50,7 @@ def test_upstream_modules_import_only_with_the_shim():
     bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert bare.returncode != 0 and "flash_attn" in bare.stderr
     shimmed = subprocess.run(
-        [sys.executable, "-c", f"from openrlhf_ess import cpu_compat; cpu_compat.apply(); {code}"],
+        [sys.executable, "-c", f"from openrlhf_ess.runtime import cpu_compat; cpu_compat.apply(); {code}"],
         capture_output=True,
         text=True,
     )
@@ -64,7 +64,7 @@ def test_noop_when_cuda_is_available():
         "import os, sys, torch\n"
         "os.environ['OPENRLHF_ESS_DEVICE'] = 'cuda'\n"
         "before = torch.cuda.set_device, torch.cuda.current_device, torch.cuda.synchronize\n"
-        "from openrlhf_ess import cpu_compat\n"
+        "from openrlhf_ess.runtime import cpu_compat\n"
         "cpu_compat.apply()\n"
         "after = torch.cuda.set_device, torch.cuda.current_device, torch.cuda.synchronize\n"
         "assert before == after, 'torch.cuda was patched'\n"

@@ -34,7 +34,7 @@ def test_every_collective_of_ours_runs_on_the_collective_device(tmp_path):
         assert r["score_forwards"] == 2  # ceil(20 / 16) forwards on both ranks, the idle one included
     assert r0["scored"] == 20 and r1["scored"] == 0
     # the start-up self-check's probe: both collectives on the collective device, values right on both ranks
-    from openrlhf_ess.selfcheck import check_collectives
+    from openrlhf_ess.checks.selfcheck import check_collectives
 
     assert r0["selfcheck_collectives"] == r1["selfcheck_collectives"] == ["all_reduce", "all_gather"]
     assert "2 actor rank(s)" in check_collectives([r0["selfcheck"], r1["selfcheck"]])

@@ -23,7 +23,7 @@ def _check_run(run_dir, rc, log, steps, tracked=True):
     """``tracked``: the run was started by run_cli (its processes and /dev/shm files were followed: LAST_RUN)."""
     assert rc == 0, log[-6000:]
     # quiet success (issue 16): no traceback, no "Exception ignored in ActorHandle.__del__" at teardown
-    # (worker_hook.py::setup_worker), no vLLM rotary-cache reload warning at each sync (openrlhf_ess/quiet.py)
+    # (worker_hook.py::setup_worker), no vLLM rotary-cache reload warning at each sync (openrlhf_ess/runtime/quiet.py)
     assert "Traceback" not in log and "Exception ignored" not in log, log[-6000:]
     assert "Failed to load weights" not in log, [line for line in log.splitlines() if "Failed to load weights" in line]
     # the start-up self-checks ran and passed (issue 20): placement, collectives, memory (not measured on CPU)

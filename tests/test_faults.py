@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()  # upstream's model modules import flash_attn
 
@@ -147,7 +147,7 @@ def _engine_is_up(run_dir, tree):
     run's files (shm_cleanup.INTERVAL_S): a queue created and abandoned between two looks is the documented limit
     of what a run can remove (docs/faults.md §9); signalled the moment the file appeared, whether the run had seen
     it was a race this test lost under load."""
-    from openrlhf_ess.shm_cleanup import INTERVAL_S
+    from openrlhf_ess.runtime.shm_cleanup import INTERVAL_S
 
     if not any(name.startswith("psm_") for name in list(tree.shm_names)):
         return False
@@ -234,7 +234,7 @@ def test_what_a_sigkill_leaves_the_next_run_sweeps(tiny_world, tmp_path, capsys)
     (its ledger names one): timed by the run's progress."""
     import json
 
-    from openrlhf_ess import shm_cleanup
+    from openrlhf_ess.runtime import shm_cleanup
 
     state = tmp_path / "state"
     env = {shm_cleanup.STATE_ENV: str(state)}

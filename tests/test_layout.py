@@ -71,3 +71,18 @@ def test_no_import_circle_between_modules():
     # a package's __init__ importing its own submodules is not a circle of two rooms: only module -> module edges
     graph = {m: {d for d in _imports(p, m, modules) if not m.startswith(d + ".")} for m, p in modules.items()}
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_layout_map_names_every_top_level_room():
+    """docs/layout.md's one-screen map names each top-level module and package of openrlhf_ess, and nothing that is
+    not there (issue 31, item 4): a room added or moved without the map fails here."""
+    doc = open(os.path.join(os.path.dirname(ROOT), "docs", "layout.md")).read()
+    block = doc.split("```")[1]
+    rooms = [line.split()[0] for line in block.splitlines() if line.startswith("  ") and line[2] != " "]
+    mapped = {room.split("/")[0].removesuffix(".py") for room in rooms}
+    present = {
+        name.removesuffix(".py")
+        for name in os.listdir(ROOT)
+        if (name.endswith(".py") and name != "__init__.py") or os.path.isfile(os.path.join(ROOT, name, "__init__.py"))
+    }
+    assert mapped == present, (sorted(mapped - present), sorted(present - mapped))

@@ -20,7 +20,7 @@ import shutil
 import threading
 import time
 
-from openrlhf_ess import run_lock
+from openrlhf_ess.runtime import run_lock
 from openrlhf_ess.trainer import saving
 from tests.helpers.e2e import tiny_args
 from tests.helpers.faults import run_cli_tracked

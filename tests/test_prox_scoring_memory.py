@@ -16,7 +16,7 @@ kept counts (sampling mask: measured 20-24 at worst, k = V and banned stop token
 The old scorer's peak was ≈ 3 · g · W · V · 4 bytes (logits, logits / T, log-softmax).
 """
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()  # upstream's Actor imports flash_attn: the CPU stand-ins
 

@@ -55,9 +55,9 @@ def _argv(path):
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if "cpu" not in os.path.basename(s)], ids=os.path.basename)
 def test_gpu_recipe_passes_validation(script, monkeypatch):
     # Upstream's and our cross-flag checks, as on a GPU machine (CUDA faked: nothing is loaded).
-    from openrlhf_ess import cpu_compat
     from openrlhf_ess.cli import train_ppo_ray as cli
     from openrlhf_ess.cli.train_ppo_ray import parse_args
+    from openrlhf_ess.runtime import cpu_compat
 
     monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
     # a multi-node recipe joins its cluster, whose GPU nodes answer the probe (test_accelerator_decision.py)

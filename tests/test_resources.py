@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from openrlhf_ess import config, resources
+from openrlhf_ess import config
+from openrlhf_ess.checks import resources
 from openrlhf_ess.cli import train_ppo_ray as cli
 
 

@@ -438,20 +438,22 @@ def test_the_cli_checks_the_checkpoint_before_ray_in_sync_and_async_runs(tmp_pat
 
 
 def test_a_checkpoint_of_another_zero_layout_is_refused_in_preflight(tmp_path):
-    from openrlhf_ess import preflight
+    from openrlhf_ess.checks import preflight
     from openrlhf_ess.config import ConfigError
 
     ckpt = str(tmp_path / "ckpt")
     _two_steps(ckpt)
     args = _parsed("--ckpt.path", ckpt, "--ds.zero_stage", "3")
     with pytest.raises(ConfigError) as info:
-        preflight._check_resume_checkpoint(args, [])
+        preflight.outputs._check_resume_checkpoint(args, [])
     assert str(info.value) == (
         f"--ckpt.load_enable: the checkpoint {ckpt}/_actor/global_step2 (--ckpt.path {ckpt}) was written with ZeRO "
         "stage 2, but this run has --ds.zero_stage 3: DeepSpeed cannot load whole-model weights into ZeRO-3. Resume "
         "with --ds.zero_stage 2, or drop --ckpt.load_enable (or pass another --ckpt.path) to start fresh."
     )
-    preflight._check_resume_checkpoint(_parsed("--ckpt.path", ckpt, "--ds.zero_stage", "1"), [])  # 1 and 2 load
+    preflight.outputs._check_resume_checkpoint(
+        _parsed("--ckpt.path", ckpt, "--ds.zero_stage", "1"), []
+    )  # 1 and 2 load
 
 
 def test_a_checkpoint_that_passes_the_checks_but_does_not_load_names_ckpt_flags_not_the_model(tmp_path):

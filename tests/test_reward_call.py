@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

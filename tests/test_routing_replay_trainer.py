@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 
@@ -473,13 +473,13 @@ def _parse(world, tmp_path, *extra):
 
 
 def test_flag_on_and_off(moe_world, tmp_path):
-    from openrlhf_ess import preflight
+    from openrlhf_ess.checks import preflight
     from openrlhf_ess.trainer.ray.vllm_engine import engine_kwargs
 
     args, _ = _parse(moe_world, tmp_path, "--algo.routing_replay")
     assert config.routing_replay_on(args) and config.needs_our_controllers(args)
     assert engine_kwargs(args)["report_routes"] is True
-    preflight._check_routing_replay(args)  # a qwen2_moe model passes pre-flight
+    preflight.model._check_routing_replay(args)  # a qwen2_moe model passes pre-flight
     args, _ = _parse(moe_world, tmp_path)
     assert not config.routing_replay_on(args) and "report_routes" not in engine_kwargs(args)
     assert not config.needs_our_controllers(args)  # off: upstream's controllers

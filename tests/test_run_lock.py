@@ -1,4 +1,4 @@
-"""One run per output folder (openrlhf_ess/run_lock.py; issue 21, item 2; docs/faults.md §6).
+"""One run per output folder (openrlhf_ess/runtime/run_lock.py; issue 21, item 2; docs/faults.md §6).
 
 The holder is a real second process (a bare Python holding the lock, or the CLI with upstream's train() replaced by
 a sleep, so no Ray starts); every process a test starts is ended by its PID on every exit.
@@ -15,12 +15,12 @@ import types
 
 import pytest
 
-from openrlhf_ess import run_lock
 from openrlhf_ess.config import ConfigError
+from openrlhf_ess.runtime import run_lock
 from tests.helpers.e2e import REPO, tiny_args
 
 HOLD = (
-    "import sys, time\nfrom openrlhf_ess import run_lock\n"
+    "import sys, time\nfrom openrlhf_ess.runtime import run_lock\n"
     "run_lock.acquire('--ckpt.output_dir', sys.argv[1], argv=['holder-command', '--x'])\n"
     "print('locked', flush=True)\ntime.sleep(600)\n"
 )

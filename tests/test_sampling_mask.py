@@ -378,7 +378,7 @@ def _tie_weights(z, tokens, kept, stop_ids):
 def test_unmasked_rows_are_upstream_bit_for_bit(monkeypatch):
     """k_t = 0 rows: the value and the gradient are upstream's ``log_probs_from_logits`` (fp32, no flash-attn) bit for
     bit, across upstream's 1024-row logsumexp chunks and our backward chunks; the masked rows differ."""
-    from openrlhf_ess import cpu_compat
+    from openrlhf_ess.runtime import cpu_compat
 
     cpu_compat.apply()
     from openrlhf.models.utils import log_probs_from_logits
@@ -408,7 +408,7 @@ def test_installed_actor_backward_matches_plain_masked_log_softmax(tiny_world):
     ``log_probs_from_logits``, inside ``applied``: its action log-probs and the gradient of a weighted sum of them
     w.r.t. every weight equal those of the plain formula (the model's logits / T, masked log_softmax over the
     sorted reference support, gather) computed with autograd."""
-    from openrlhf_ess import cpu_compat
+    from openrlhf_ess.runtime import cpu_compat
 
     cpu_compat.apply()
     from openrlhf.models.actor import Actor

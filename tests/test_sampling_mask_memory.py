@@ -17,7 +17,7 @@ allocates ~1 L.
 import pytest
 import torch
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

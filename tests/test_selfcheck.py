@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from openrlhf_ess import selfcheck
-from openrlhf_ess.selfcheck import SelfCheckError
+from openrlhf_ess.checks import selfcheck
+from openrlhf_ess.checks.selfcheck import SelfCheckError
 
 
 def _rank(device, pid, node="aaaa0001"):

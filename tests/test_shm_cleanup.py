@@ -1,4 +1,4 @@
-"""/dev/shm files of a run, recorded while it runs and removed at its end (openrlhf_ess/shm_cleanup.py, issue 21
+"""/dev/shm files of a run, recorded while it runs and removed at its end (runtime/shm_cleanup.py, issue 21
 item 4). The run is simulated by a child process that does what vLLM's processes do: a SharedMemory message queue
 unregistered from the resource tracker (vLLM's ShmRingBuffer: psm_*) and a spawn-context lock (sem.mp-*); it is
 killed with its process group, resource tracker included, as Ray ends an engine. Every child is ended by its PID
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from openrlhf_ess import shm_cleanup
+from openrlhf_ess.runtime import shm_cleanup
 
 ENGINE = """
 import multiprocessing, sys, time

@@ -21,7 +21,7 @@ from tests.helpers.faults import _Tree, end_processes
 CHILD = r"""
 import os, signal, sys, time
 import ray
-from openrlhf_ess import signals
+from openrlhf_ess.runtime import signals
 
 mode, temp_dir = sys.argv[1], sys.argv[2]
 signals.install()

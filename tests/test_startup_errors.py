@@ -264,7 +264,7 @@ def test_main_prints_our_line_last_and_exits_1(monkeypatch, capsys):
         cli.main([])
     assert info.value.code == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == "openrlhf-ess: error: start-up failed: x"
-    from openrlhf_ess import resources
+    from openrlhf_ess.checks import resources
 
     monkeypatch.setattr(cli, "train", lambda args: (_ for _ in ()).throw(resources.ResourceError("too big")))
     with pytest.raises(SystemExit) as info:

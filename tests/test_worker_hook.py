@@ -76,7 +76,7 @@ def test_worker_hook_applies_the_cpu_patches_on_a_cpu_run():
         """
         import os, torch
         os.environ["OPENRLHF_ESS_DEVICE"] = "cpu"
-        from openrlhf_ess import worker_hook
+        from openrlhf_ess.runtime import worker_hook
         worker_hook.setup_worker()
         print("PATCHED", getattr(torch.cuda.set_device, "__openrlhf_ess_patch__", False))
         """
@@ -86,7 +86,7 @@ def test_worker_hook_applies_the_cpu_patches_on_a_cpu_run():
 
 
 def test_cuda_available_reads_the_decision_first(monkeypatch):
-    from openrlhf_ess import cpu_compat
+    from openrlhf_ess.runtime import cpu_compat
 
     monkeypatch.setattr(cpu_compat, "node_has_cuda", lambda: pytest.fail("the decision was not read"))
     monkeypatch.setenv(cpu_compat.DEVICE_ENV, "cuda")

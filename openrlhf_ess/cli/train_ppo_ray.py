@@ -17,17 +17,19 @@ import tempfile
 import threading
 from typing import List, Optional
 
-from openrlhf_ess import caches
+from openrlhf_ess.runtime import caches
 
 # Before anything imports DeepSpeed (it creates Triton's cache folder under HOME at import): a HOME the run
-# cannot write gets its caches moved, with a notice printed by main() (openrlhf_ess/caches.py).
+# cannot write gets its caches moved, with a notice printed by main() (openrlhf_ess/runtime/caches.py).
 _CACHE_NOTICES = caches.redirect_unwritable_caches()
 
-from openrlhf_ess import cpu_compat  # noqa: E402
+from openrlhf_ess.runtime import cpu_compat  # noqa: E402
 
 cpu_compat.apply()
 
-from openrlhf_ess import config, preflight, resources, run_lock, shm_cleanup, signals, upstream  # noqa: E402
+from openrlhf_ess import config, upstream  # noqa: E402
+from openrlhf_ess.checks import preflight, resources  # noqa: E402
+from openrlhf_ess.runtime import run_lock, shm_cleanup, signals  # noqa: E402
 from openrlhf_ess.trainer import resume, saving  # noqa: E402
 
 # Environment variables forwarded to every Ray worker, with the defaults the CPU stack needs.
@@ -52,7 +54,7 @@ _FORWARDED_ENV = {
     cpu_compat.DEVICE_ENV: None,  # the run's accelerator, decided once on the driver (resolve_accelerator)
 }
 # Ray's worker set-up hook: a module that never initialises CUDA (it runs before Ray sets CUDA_VISIBLE_DEVICES).
-WORKER_SETUP_HOOK = "openrlhf_ess.worker_hook.setup_worker"
+WORKER_SETUP_HOOK = "openrlhf_ess.runtime.worker_hook.setup_worker"
 
 
 def build_parser():
@@ -178,7 +180,8 @@ def shm_account(removed: List[str], used: int, said: bool) -> Optional[str]:
 def watch_shared_memory() -> shm_cleanup.ShmWatch:
     """Record the /dev/shm files this run's processes use (vLLM's psm_* message queues, multiprocessing's sem.mp-*)
     and remove those still there when the CLI exits: exit 0, an error, SIGTERM/SIGHUP (``signals.py``), SIGINT
-    (``openrlhf_ess/shm_cleanup.py``; Ray ends the engines' processes with signals, so vLLM never unlinks them)."""
+    (``openrlhf_ess/runtime/shm_cleanup.py``; Ray ends the engines' processes with signals, so vLLM never unlinks
+    them)."""
     watch = shm_cleanup.ShmWatch().start()
     said = []
 
@@ -727,7 +730,7 @@ def train(args) -> None:
     started = threading.Event()  # set when training begins: start-up failures before, "died during the run" after
     before_fit = None
     if args.selfcheck == "on":
-        from openrlhf_ess import selfcheck
+        from openrlhf_ess.checks import selfcheck
 
         def before_fit(groups):
             selfcheck.run(args, groups)
@@ -744,7 +747,7 @@ def train(args) -> None:
     except config.ConfigError:  # resources.ResourceError: nothing was placed, main() prints it
         raise
     except Exception as e:
-        from openrlhf_ess.selfcheck import SelfCheckError
+        from openrlhf_ess.checks.selfcheck import SelfCheckError
 
         if isinstance(e, SelfCheckError):  # our message names the contract and the fix
             raise StartupFailed(str(e)) from e

@@ -11,7 +11,7 @@ below is one :class:`Patch` with
 - ``apply()``: the patch itself, idempotent.
 
 ``tests/test_cpu_compat.py`` checks the first two for every patch. Ray workers import modules fresh,
-so :func:`apply` also runs in Ray's ``worker_process_setup_hook`` (``openrlhf_ess/worker_hook.py``). That hook
+so :func:`apply` also runs in Ray's ``worker_process_setup_hook`` (``openrlhf_ess/runtime/worker_hook.py``). That hook
 runs before Ray sets an actor's ``CUDA_VISIBLE_DEVICES``, so nothing here may initialise CUDA: the decision
 CPU or CUDA is :func:`cuda_available`, which never calls into the CUDA runtime (``tests/test_worker_hook.py``).
 """

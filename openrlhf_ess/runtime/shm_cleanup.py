@@ -31,7 +31,7 @@ run that ends cleans up and deletes its ledger. At start-up every run calls :fun
 ledger of this host whose creator is gone, it ends the processes still carrying that run's token (orphans, by PID),
 then removes the recorded files that still exist and that no live process maps or holds open, and prints one line
 naming what was freed. A file it did not record, or one another process holds, is never touched. By hand, on a
-node where no later run starts: ``python -m openrlhf_ess.shm_cleanup`` (the same sweep; docs/faults.md).
+node where no later run starts: ``python -m openrlhf_ess.runtime.shm_cleanup`` (the same sweep; docs/faults.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The hook runs in each Ray worker process at start-up, **before** Ray sets the ``
 actor that the process will host. Anything that initialises CUDA here (``torch.cuda.is_available()``,
 ``device_count()``, importing DeepSpeed, whose accelerator probe calls both) fixes the process's device list
 to the node's full set; upstream then sets ``LOCAL_RANK=0`` and ``set_device(0)``, and every actor of the node
-lands on physical GPU 0 (issue 20, item 1). So this module imports only :mod:`openrlhf_ess.cpu_compat`, whose
+lands on physical GPU 0 (issue 20, item 1). So this module imports only :mod:`openrlhf_ess.runtime.cpu_compat`, whose
 decision never calls into CUDA and which imports nothing more on a CUDA run; ``tests/test_worker_hook.py``
 runs the hook in a fresh process with every CUDA entry point instrumented and fails on any call.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 
 def setup_worker() -> None:

@@ -2,7 +2,7 @@
 
 Without this the first run on a machine JIT-builds it (``deepspeed_shm_comm``, DeepSpeed's ``ShareMemCommBuilder``,
 34-60 s on 2 cores) inside a DeepSpeed rank, under a lock file that a run killed meanwhile leaves behind (issue 21,
-item 11; ``openrlhf_ess/build_locks.py``). ``scripts/bootstrap_cpu.sh`` runs this, into the folder torch builds
+item 11; ``openrlhf_ess/runtime/build_locks.py``). ``scripts/bootstrap_cpu.sh`` runs this, into the folder torch builds
 extensions under (``$TORCH_EXTENSIONS_DIR``; ``scripts/env_cpu.sh`` sets ``.cache/torch_extensions``), which every
 run then loads the op from. Stale locks are cleared first. On a CUDA machine the op does not exist (DeepSpeed's
 CUDA accelerator has no ShareMemCommBuilder): nothing is built.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from openrlhf_ess import build_locks
+from openrlhf_ess.runtime import build_locks
 
 OP_BUILDER = "ShareMemCommBuilder"
 

@@ -6,7 +6,7 @@ log-probs or versions is on; otherwise upstream's trainer runs untouched.
 
 from __future__ import annotations
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

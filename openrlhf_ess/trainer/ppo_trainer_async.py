@@ -5,7 +5,7 @@ Mirrors ``openrlhf/trainer/ppo_trainer_async.py``.
 
 from __future__ import annotations
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

@@ -26,7 +26,7 @@ import types
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Union
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

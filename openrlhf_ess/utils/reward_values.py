@@ -1,6 +1,6 @@
 """What a ``reward_func`` returned, counted as upstream uses it: shared by the pre-flight dry call
-(``preflight.py``) and every call during the run (``utils/agent.py``). Imports nothing heavy: it runs in the
-engine actors too."""
+(``checks/preflight/reward.py``) and every call during the run (``utils/agent.py``). Imports nothing heavy: it runs
+in the engine actors too."""
 
 from __future__ import annotations
 

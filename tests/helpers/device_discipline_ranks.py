@@ -85,7 +85,7 @@ def main():
         result["scored"] = len(scored)
         result["collectives"] = [name for name, _ in calls]
     with strict_collectives(("openrlhf_ess", __name__)) as calls:  # the start-up self-check's collective probe
-        from openrlhf_ess.selfcheck import collective_probe
+        from openrlhf_ess.checks.selfcheck import collective_probe
 
         result["selfcheck"] = collective_probe()
         result["selfcheck_collectives"] = [name for name, _ in calls]

@@ -29,7 +29,7 @@ def build_actor(
 ):
     """``zero_overrides``: entries replacing upstream's ``zero_optimization`` config (e.g. a persistence
     threshold), in both the model's ZeRO-3 init and ``deepspeed.initialize``."""
-    from openrlhf_ess import cpu_compat
+    from openrlhf_ess.runtime import cpu_compat
 
     cpu_compat.apply()
     from openrlhf.models import Actor

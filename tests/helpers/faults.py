@@ -17,8 +17,8 @@ import time
 
 import psutil
 
-from openrlhf_ess.shm_cleanup import SHM_DIR, files_of, mapped_shm
-from openrlhf_ess.shm_cleanup import end_processes as shm_end_processes
+from openrlhf_ess.runtime.shm_cleanup import SHM_DIR, files_of, mapped_shm
+from openrlhf_ess.runtime.shm_cleanup import end_processes as shm_end_processes
 from tests.helpers.e2e import REPO
 
 
@@ -93,7 +93,7 @@ class _Tree:
 
 def end_processes(procs, grace: float = 10.0) -> None:
     """SIGTERM, then SIGKILL after ``grace`` seconds, exactly these processes (psutil objects): the package's own
-    routine (``openrlhf_ess.shm_cleanup.end_processes``, what a signalled run does to its processes)."""
+    routine (``openrlhf_ess.runtime.shm_cleanup.end_processes``, what a signalled run does to its processes)."""
     shm_end_processes(procs, grace)
 
 

@@ -143,7 +143,7 @@ def install() -> None:
 
 def setup_ray_worker() -> None:
     """Ray's ``worker_process_setup_hook`` in the test run: the CLI's own hook, then the substitution."""
-    from openrlhf_ess import worker_hook
+    from openrlhf_ess.runtime import worker_hook
 
     worker_hook.setup_worker()
     install()

@@ -1,6 +1,6 @@
 """A private Ray instance for one test: 127.0.0.1, its own temp dir, our worker set-up hook; the /dev/shm files its
 processes leave (vLLM's psm_* queues: Ray ends the engine's processes with signals, so vLLM never unlinks them) are
-removed when it ends, with the package's own watch (openrlhf_ess/shm_cleanup.py)."""
+removed when it ends, with the package's own watch (openrlhf_ess/runtime/shm_cleanup.py)."""
 
 import contextlib
 import os
@@ -12,7 +12,7 @@ import tempfile
 def local_ray(num_gpus: int = 2, num_cpus: int = 4):
     import ray
 
-    from openrlhf_ess import shm_cleanup
+    from openrlhf_ess.runtime import shm_cleanup
 
     temp_dir = tempfile.mkdtemp(prefix="ray_t_", dir="/tmp")
     # before ray.init: Ray's processes inherit the run's token; the files this test process maps itself are not Ray's
@@ -24,7 +24,7 @@ def local_ray(num_gpus: int = 2, num_cpus: int = 4):
         num_cpus=num_cpus,
         num_gpus=num_gpus,
         _temp_dir=temp_dir,
-        runtime_env={"env_vars": env, "worker_process_setup_hook": "openrlhf_ess.cpu_compat.apply"},
+        runtime_env={"env_vars": env, "worker_process_setup_hook": "openrlhf_ess.runtime.cpu_compat.apply"},
     )
     try:
         yield ray

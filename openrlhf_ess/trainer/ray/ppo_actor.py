@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

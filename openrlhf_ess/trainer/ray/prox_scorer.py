@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import List
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

@@ -9,7 +9,7 @@ support instead of charging the truncation (log Z_t) as divergence.
 
 from __future__ import annotations
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from openrlhf_ess import cpu_compat
+from openrlhf_ess.runtime import cpu_compat
 
 cpu_compat.apply()
 

@@ -115,7 +115,7 @@ class WorkerWrap(_UpstreamWorkerWrap):
         # What was handed to vLLM's loader, by the engine's (fused) names: the fallback for the checksum of a
         # weight vLLM's CPU backend repacks into a kernel handle and removes from the module.
         self._loaded_checksums = trainer_checksums(tensors.items())
-        from openrlhf_ess.quiet import filter_vllm_reload_warning
+        from openrlhf_ess.runtime.quiet import filter_vllm_reload_warning
 
         filter_vllm_reload_warning()  # vLLM's harmless "RotaryEmbedding: Failed to load weights" at every sync
         self.reload_weights(weights_iterator=iter(tensors.items()))
