@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.helpers.e2e import LAST_RUN, read_tensorboard, run_cli, tiny_args
+from tests.helpers.e2e import CPU_ENGINE_LAYOUT, LAST_RUN, read_tensorboard, run_cli, tiny_args
 from tests.helpers.wandb_offline import history
 
 
@@ -112,7 +112,7 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
     wandb = ["--logger.wandb.key", "offline-" + "0" * 32]
     # vLLM CPU's own variable set as env_cpu.sh once did: --vllm.cpu_kv_cache_gb (64 MiB here) must still win
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", **CPU_ENGINE_LAYOUT}
     rc, log = run_cli(args + flags + wandb + ["--ref.num_gpus_per_node", "1"], run_dir, env=env)
     scalars = _check_run(run_dir, rc, log, steps=3)
     assert "VLLM_CPU_KVCACHE_SPACE=1 (which vLLM CPU would let override it) is not passed" in log
