@@ -79,7 +79,14 @@ def test_missing_packages_skip_with_the_reason_and_stubs_are_reported(tmp_path):
     skipped = by_id["1.global_lr_scale"]
     assert skipped["status"] == "SKIP" and "openrlhf" in skipped["reason"], skipped
     assert all(by_id[c]["status"] == "PASS" for c in CHECK_1)
+    assert all(by_id[c]["numbers"]["backend"] == "gloo" for c in CHECK_1 if c != "1.virtual_nccl")
     assert report["environment"]["stubbed"] == ["ray"]
+    # the real negative control needs NCCL: honestly SKIPped, with what gloo did; the adapted control passes
+    control = by_id["1.host_tensor_refused"]
+    assert control["status"] == "SKIP" and "gloo accepts host tensors" in control["reason"], control
+    virtual = by_id["1.virtual_nccl"]
+    assert virtual["status"] == "PASS", virtual
+    assert "No backend type associated with device type cpu" in virtual["numbers"]["host_tensor_error"]
     assert any("is_multi_rank forced to True" in n for n in report["notes"])  # the forced path is stated
 
 

@@ -108,3 +108,4 @@ def test_checksum_correctness(check, args):
             f"{n} elements on {device} ({-(-n // chunk)} chunks): rel err {rel_s:.1e} / {rel_ss:.1e} (<= 1e-12), "
             f"{e['numbers']['throughput_gb_s']} GB/s"
         )
+    assert e["numbers"]["chunks"] == 3 and e["numbers"]["throughput_gb_s"] > 0, e["numbers"]

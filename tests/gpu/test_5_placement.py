@@ -50,6 +50,9 @@ def test_placement(check, args):
         verdict = selfcheck.check_placement({"actor": gathered}, NO_COLOCATE)  # SelfCheckError: the FAIL
         e["numbers"]["verdict"] = verdict
         e["summary"] = f"{backend}, {world} ranks: '{verdict}' (rank r on {'cuda:r' if cuda else 'fake id r'})"
+    if not cuda:  # the CPU variant, by hand: two gloo ranks with their fake ids, and the verdict's words
+        assert [r["device"] for r in e["numbers"]["reports"]] == ["CPU-FAKE-0", "CPU-FAKE-1"], e["numbers"]
+        assert e["numbers"]["verdict"] == "placement: 2 trainer ranks on 2 devices"
 
 
 def test_placement_control(check, args):
@@ -78,3 +81,5 @@ def test_placement_control(check, args):
             device = reports[0]["device"]
             expect(e, f"{device}: {n} ranks of actor" in raised, f"the error does not name {device} and {n} ranks")
             e["summary"] = f"SelfCheckError: {raised.splitlines()[1].strip()[:200]}"
+    if not cuda:
+        assert "CPU-FAKE-0: 2 ranks of actor" in (e["numbers"]["error"] or ""), e["numbers"]

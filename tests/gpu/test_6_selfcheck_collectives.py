@@ -56,3 +56,6 @@ def test_collectives(check, args):
         e["numbers"].update(verdict=verdict, control_error=refused)
         expect(e, refused is not None, "check_collectives accepted a wrong all-gather")
         e["summary"] = f"{backend}: '{verdict}'; control (a wrong all-gather) refused"
+    if not cuda:  # the CPU variant, by hand: two gloo ranks gathered [0, 1]; the control's all-gather of zeros named
+        assert e["numbers"]["world"] == 2 and [p["gathered"] for p in e["numbers"]["probes"]] == [[0, 1], [0, 1]]
+        assert "all-gather gave [0, 0]" in e["numbers"]["control_error"], e["numbers"]

@@ -87,3 +87,4 @@ def test_replay_cost(check, args):
             f"{dtype}, medians of 5 interleaved; a number to read, not a bound (benchmarks/routing_replay.py)"
         )
         e["summary"] = f"forward+backward {p_med:.4f} s off, {r_med:.4f} s with replay ({r_med / p_med:.3f}x)"
+    assert e["numbers"]["tokens"] == (2048 if cuda else 32) and e["numbers"]["ratio"] > 0, e["numbers"]
