@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# One command for a single CUDA machine (issue 12, docs/gpu_check.md): the checks that fit there, each
-# PASS / FAIL / SKIP with numbers, a short report at the end, JSON in $OUT/gpu_check.json (else ./gpu_check.json).
-# Exit code 1 iff a check FAILed. Never touches the network.
+# One command for a single CUDA machine (issue 12, docs/gpu_check.md): the GPU checks of tests/gpu/ (pytest -m gpu),
+# each test PASS / FAIL / SKIP with numbers, a short report at the end, JSON in $OUT/gpu_check.json (else
+# ./gpu_check.json) and JUnit XML in gpu_check.xml next to it. Exit code 1 iff a test FAILed. Never touches the
+# network. The runner (tests/gpu/runner.py) runs one pytest process per test module, under a time budget.
 #
-#   bash scripts/gpu_check.sh                     # CUDA
-#   bash scripts/gpu_check.sh --device cpu        # the CPU variant (gloo), as CI runs it
-#   bash scripts/gpu_check.sh --checks 1,2        # arguments pass through to scripts/gpu_check.py (--help)
+#   bash scripts/gpu_check.sh                     # CUDA: pytest -m gpu tests/gpu
+#   bash scripts/gpu_check.sh --device cpu        # the CPU variants (gloo), as the default suite runs them
+#   bash scripts/gpu_check.sh --checks 1,2        # arguments pass through to python -m tests.gpu.runner (--help)
 #   bash scripts/gpu_check.sh --checks 5,6,7,8    # issue 20's self-checks and the mask / scoring maths: torch and
 #                                                 # transformers only (no DeepSpeed, OpenRLHF, Ray or vLLM)
 #
 # Missing packages (DeepSpeed, OpenRLHF and their small pure-python needs) come from a wheel folder, if there is
 # one: $GPU_WHEELS, else scripts/gpu_wheels/. They are installed offline (pip --no-index --no-deps) into
 # $GPU_CHECK_SITE (default /tmp/gpu_check_site), put first on PYTHONPATH; the image's own packages are untouched.
+# pytest itself must be installed (the GPU image's, or a wheel of the folder).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -47,4 +49,4 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export WANDB_MODE=${WANDB_MODE:-offline} PYTHONUNBUFFERED=1
-exec "$PY" scripts/gpu_check.py "$@"
+exec "$PY" -m tests.gpu.runner "$@"
