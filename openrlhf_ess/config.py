@@ -633,7 +633,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             f"--vllm.sync_check_canary_every must be >= 1, got {args.vllm.sync_check_canary_every} "
             "(--vllm.sync_check_tol 0 disables the whole check)."
         )
-    _resolve_cpu_kv_cache(args, notices)
+    _resolve_cpu_kv_cache(args, notices if on_cpu else [])  # with CUDA the flag is ignored: no notice
     if args.vllm.fp32_lm_head and not args.vllm.num_engines:
         raise ConfigError("--vllm.fp32_lm_head sets the vLLM engines' LM head: it needs --vllm.num_engines >= 1.")
     if args.vllm.fp32_lm_head and args.vllm.dtype == "float32":

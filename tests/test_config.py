@@ -164,6 +164,8 @@ def test_cpu_kv_cache_comes_from_the_flag_else_vllms_variable_else_1_gib(tiny_wo
     args, notices = cli.parse_args(_base(tiny_world) + ["--vllm.cpu_kv_cache_gb", "0.25"])
     assert engine_kwargs(args)["kv_cache_memory_bytes"] == 1 << 28
     assert any("--vllm.cpu_kv_cache_gb 0.25 sizes" in n and "VLLM_CPU_KVCACHE_SPACE=3" in n for n in notices)
+    _, notices = cli.parse_args(_base(tiny_world) + ["--vllm.cpu_kv_cache_gb", "0.25", "--ray.accelerator", "cuda"])
+    assert not any("cpu_kv_cache_gb" in n for n in notices)  # with CUDA the flag sizes nothing: no notice
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
     with pytest.raises(config.ConfigError, match="VLLM_CPU_KVCACHE_SPACE='lots' is not a number of GiB"):
         cli.parse_args(_base(tiny_world))
