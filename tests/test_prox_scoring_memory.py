@@ -22,10 +22,10 @@ cpu_compat.apply()  # upstream's Actor imports flash_attn: the CPU stand-ins
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from benchmarks.common import peak_allocated_bytes  # noqa: E402
 from openrlhf_ess.trainer import prox  # noqa: E402
+from tests.helpers.tiny_qwen2 import tiny_qwen2  # noqa: E402
 
 VOCAB = 151_936  # Qwen2's
 STOP = 2
@@ -34,22 +34,7 @@ STREAMS, LENGTH = 16, 512  # the memory test: 16 streams x T = 512
 
 def tiny_model(vocab=VOCAB, seed=0, **extra):
     """A random 2-layer causal LM with hidden size 32 and a full-size vocabulary (weights ~40 MB, fp32)."""
-    cfg = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=vocab,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    cfg.update(extra)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**cfg)).eval()
-    with torch.no_grad():  # peaked next-token distributions, so a wrong row or support shows
-        model.lm_head.weight.normal_(0.0, 0.5)
-    return model
+    return tiny_qwen2(vocab, seed, **extra)
 
 
 def reference_log_probs(model, streams, temperature, kept=None, stop_ids=(STOP,)):

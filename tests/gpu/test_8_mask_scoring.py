@@ -85,26 +85,11 @@ def _close(a, b, tol) -> bool:
 
 
 def _tiny_qwen2(device):
-    """A random 2-layer Qwen2 with hidden size 32 and Qwen2's full vocabulary (tests/test_prox_scoring_memory.py's
-    model: ~9.8M parameters, 39 MB in fp32), peaked next-token distributions."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """tests/helpers/tiny_qwen2.py's model (tests/test_prox_scoring_memory.py's): Qwen2's full vocabulary, peaked
+    next-token distributions, on ``device``."""
+    from tests.helpers.tiny_qwen2 import tiny_qwen2
 
-    config = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 0.5)
-    return model.to(device)
+    return tiny_qwen2(VOCAB).to(device)
 
 
 def _scoring_case(cuda: bool):
