@@ -1,7 +1,8 @@
 """ESS-guided LR scaling on the real DeepSpeed engine, ZeRO 0-3 x fp32/bf16 x grad accumulation 1/2.
 
 For the fixed rollouts of tests/helpers/ess_ds.py the trajectory weights alternate 1 and 5, so by hand
-Σw = 3n, Σw² = 13n, ρ = 9/13 and lr_scale = √(9/13) ≈ 0.83205. Three runs per configuration:
+Σw = 3n, Σw² = 13n, ρ = 9/13 and lr_scale = √(9/13) ≈ 0.83205. Four runs per configuration, one after the other
+in one process (upstream's first; bit-identical to one process each, checked when this was introduced):
 - ours with --algo.ess_lr_enable                 -> must equal upstream at lr × √(9/13), same LR schedule
 - ours without it                                -> must be bit-identical to upstream at lr
 - upstream ActorPPOTrainer at lr and at lr × scale
@@ -23,8 +24,11 @@ FAST = [(0, "fp32", 1), (1, "bf16", 2), (2, "bf16", 1), (3, "fp32", 2)]
 MATRIX = [(z, d, a) for z in range(4) for d in ("fp32", "bf16") for a in (1, 2)]
 
 
-def _run(tiny_world, tmp_path, zero, dtype, accum, variant, lr=LR):
-    out = tmp_path / f"{variant}_{lr}.pt"
+def _run_all(tiny_world, tmp_path, zero, dtype, accum, runs):
+    """The variants ``runs`` = [(variant, lr), ...] one after the other in one process (tests/helpers/ess_ds.py
+    ``--variants``: each a fresh model from the same checkpoint and seed): {(variant, lr): result}."""
+    out = tmp_path / "ess_ds"
+    entries = [f"{variant}@{lr!r}" for variant, lr in runs]
     cmd = [
         sys.executable,
         "-m",
@@ -38,14 +42,12 @@ def _run(tiny_world, tmp_path, zero, dtype, accum, variant, lr=LR):
         dtype,
         "--accum",
         str(accum),
-        "--variant",
-        variant,
-        "--lr",
-        repr(lr),
+        "--variants",
+        ",".join(entries),
     ]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return torch.load(out)
+    return {key: torch.load(f"{out}.{entry}.pt") for key, entry in zip(runs, entries)}
 
 
 def _max_diff(a, b):
@@ -53,10 +55,9 @@ def _max_diff(a, b):
 
 
 def _check(tiny_world, tmp_path, zero, dtype, accum):
-    on = _run(tiny_world, tmp_path, zero, dtype, accum, "ours_on")
-    off = _run(tiny_world, tmp_path, zero, dtype, accum, "ours_off")
-    up = _run(tiny_world, tmp_path, zero, dtype, accum, "upstream")
-    up_scaled = _run(tiny_world, tmp_path, zero, dtype, accum, "upstream", lr=LR * SCALE)
+    # upstream's first, before anything of ours has trained in the process
+    runs = [("upstream", LR), ("upstream", LR * SCALE), ("ours_off", LR), ("ours_on", LR)]
+    up, up_scaled, off, on = _run_all(tiny_world, tmp_path, zero, dtype, accum, runs).values()
 
     # the scale the actor computed equals the hand-derived one
     for status in on["statuses"]:
