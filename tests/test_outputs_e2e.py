@@ -9,7 +9,9 @@
    the one before loaded (a line says so), the run trains the last step again and saves the model in place.
 
 Then the same failure (ENOSPC) under ZeRO-3 with two policy ranks: no rank is left waiting in a collective.
-Every run is tracked by PID and ended on any exit (tests/helpers/faults.py::run_cli_tracked).
+Every run is tracked by PID and ended on any exit (tests/helpers/faults.py::run_cli_tracked). The runs take the
+engine's process layout GPU users get (tests/helpers/e2e.py::GPU_ENGINE_LAYOUT): what is tested here does not depend
+on it, and vLLM CPU's own layout adds a worker process pinned to one core (~20-40 s of each run's start here).
 """
 
 import glob
@@ -22,7 +24,7 @@ import time
 
 from openrlhf_ess.runtime import run_lock
 from openrlhf_ess.trainer import saving
-from tests.helpers.e2e import tiny_args
+from tests.helpers.e2e import GPU_ENGINE_LAYOUT, tiny_args
 from tests.helpers.faults import run_cli_tracked
 
 
@@ -37,7 +39,7 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
         first = {}
         thread = threading.Thread(
             target=lambda: first.update(
-                run=run_cli_tracked(args, run_dir, timeout=900, env={saving.FAULT_ENV: "EACCES"})
+                run=run_cli_tracked(args, run_dir, timeout=900, env={saving.FAULT_ENV: "EACCES", **GPU_ENGINE_LAYOUT})
             )
         )
         thread.start()
@@ -51,7 +53,7 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
         second_args = list(args)
         second_args[second_args.index("--ray.temp_dir") + 1] = "/tmp/ray_ess_second_" + str(os.getpid())
         start = time.time()
-        second = run_cli_tracked(second_args, second_dir, timeout=300, settle=5)
+        second = run_cli_tracked(second_args, second_dir, timeout=300, settle=5, env=GPU_ENGINE_LAYOUT)
         second_seconds = time.time() - start
         thread.join()
         run = first["run"]
@@ -88,7 +90,7 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
         states = os.path.join(ckpt, "_actor", "global_step2", "mp_rank_00_model_states.pt")
         with open(states, "r+b") as f:
             f.truncate(os.path.getsize(states) // 2)
-        third = run_cli_tracked(args + ["--ckpt.load_enable"], run_dir, timeout=900)
+        third = run_cli_tracked(args + ["--ckpt.load_enable"], run_dir, timeout=900, env=GPU_ENGINE_LAYOUT)
         assert third.rc == 0 and not third.leftovers and not third.shm_left, (third.shm_left, third.log[-5000:])
         assert "checkpoint global_step2 is broken (mp_rank_00_model_states.pt is truncated" in third.log
         assert "loading global_step1, the newest complete one" in third.log
@@ -119,7 +121,7 @@ def test_a_failed_final_save_under_zero3_with_two_ranks_does_not_hang(tiny_world
         args[args.index(flag) + 1] = value
     fallback = None
     try:
-        run = run_cli_tracked(args, run_dir, timeout=600, env={saving.FAULT_ENV: "ENOSPC"})
+        run = run_cli_tracked(args, run_dir, timeout=600, env={saving.FAULT_ENV: "ENOSPC", **GPU_ENGINE_LAYOUT})
         assert run.rc == 1 and not run.timed_out and not run.leftovers, run.log[-5000:]
         assert not run.shm_left, run.shm_left
         match = re.search(r"it was written to (\S+) instead", run.log)
