@@ -1,10 +1,25 @@
 #!/usr/bin/env bash
-# The test command (README, CI): set up ./.venv if needed, then run the default test suite.
-#   bash scripts/test.sh            # default suite (fast + real-stack + fault tests, ~51 min after install on 2 cores: docs/tests.md)
-#   bash scripts/test.sh -m slow    # the slow real-stack runs as well (pytest args pass through)
+# The test command (README, CI): set up ./.venv if needed, lint, then the tests (docs/tests.md).
+#   bash scripts/test.sh            # the gate CI runs: the default suite, then the stack tier (measured: docs/tests.md)
+#   bash scripts/test.sh --default  # the default suite only (the fault tests inside)
+#   bash scripts/test.sh -m slow    # any pytest arguments: one pytest command with them (e.g. -m slow, -m stack, a file)
+# Every command runs on two pytest-xdist workers (--dist loadgroup): the tests that start a Ray instance or the CLI
+# run one at a time on one of them (tests/conftest.py, the "real-stack" group), the rest on the other.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env_cpu.sh
 ruff check openrlhf_ess tests benchmarks # lint (ruff.toml: upstream's 119 columns)
 ruff format --check openrlhf_ess tests benchmarks
-exec python -m pytest -ra "$@"
+PYTEST=(python -m pytest -ra -n 2 --dist loadgroup)
+if [ "$#" -gt 0 ] && [ "$1" != "--default" ]; then
+    exec "${PYTEST[@]}" "$@"
+fi
+start=$SECONDS
+"${PYTEST[@]}" # the default suite (pytest.ini: not slow, not gpu, not stack)
+echo "[test.sh] default suite: $((SECONDS - start)) s"
+if [ "${1:-}" = "--default" ]; then
+    exit 0
+fi
+start=$SECONDS
+"${PYTEST[@]}" -m stack # the real-stack feature runs; CI runs them too
+echo "[test.sh] stack tier: $((SECONDS - start)) s"

@@ -1,8 +1,12 @@
-"""Shared fixtures: the offline tiny world, built once per test session under pytest's temp dir; and the
-session-wide check that every process the tests start ends with them (tests/helpers/leak_check.py)."""
+"""Shared fixtures: the offline tiny world, built once per test session under pytest's temp dir; the
+session-wide check that every process the tests start ends with them (tests/helpers/leak_check.py); and the
+one-at-a-time group of the tests that start a Ray instance or the CLI (:func:`pytest_collection_modifyitems`)."""
 
+import ast
 import atexit
+import inspect
 import os
+import re
 import shutil
 import tempfile
 
@@ -34,3 +38,67 @@ def tiny_world(tmp_path_factory):
     from openrlhf_ess.tiny.world import build_world
 
     return build_world(str(tmp_path_factory.mktemp("tiny_world")), seed=0, n_prompts=32)
+
+
+# ---- two workers, one real stack at a time (scripts/test.sh runs the suite with pytest-xdist -n 2 --dist loadgroup)
+#
+# A test that starts a Ray instance, the CLI or a Ray cluster joins the xdist group "real-stack": the group's tests run
+# one after the other on one worker while the other worker takes the rest. Two private Ray instances at once would
+# contend for fixed ports (the dashboard agent's 52365) and, on 2 cores, slow each other as much as they overlap
+# (docs/tests.md); a test of the rest (pure Python, an in-process vLLM engine, DeepSpeed ranks over gloo) uses about
+# one core, and a real-stack run leaves part of the second idle. Found from the source, so a new test lands in the
+# group by itself: the test function, the module's functions and scripts (strings) it names (two levels), and the
+# fixtures it requests.
+REAL_STACK = re.compile(
+    r"\brun_cli|[\"']openrlhf_ess\.cli\.train_ppo_ray[\"']|\blocal_ray\b|\bray_cluster\b|\bray\.init\(|\binit_ray\("
+)
+REAL_STACK_GROUP = "real-stack"
+
+
+def _source(obj) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _names(source: str) -> set:
+    try:
+        tree = ast.parse(inspect.cleandoc(source) if source.startswith((" ", "\t")) else source)
+    except SyntaxError:
+        return set()
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
+
+
+def starts_real_stack(item) -> bool:
+    """Whether ``item`` (a collected test) starts a Ray instance or the CLI, read from its source (see above)."""
+    function = getattr(item, "function", None)
+    if function is None:
+        return False
+    module = inspect.getmodule(function)
+    texts, seen, frontier = [], set(), [function]
+    for _ in range(3):  # the test, then what it names in its module, twice
+        following = []
+        for obj in frontier:
+            text = _source(obj)
+            texts.append(text)
+            for name in _names(text) - seen:
+                seen.add(name)
+                member = getattr(module, name, None)
+                if inspect.isfunction(member) and inspect.getmodule(member) is module:
+                    following.append(member)
+                elif isinstance(member, str):  # a script the test runs in a child process
+                    texts.append(member)
+        frontier = following
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in getattr(item, "_fixtureinfo").name2fixturedefs.get(name, ()):
+            texts.append(_source(fixturedef.func))
+    return any(REAL_STACK.search(text) for text in texts)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if starts_real_stack(item):
+            item.add_marker(pytest.mark.xdist_group(REAL_STACK_GROUP))

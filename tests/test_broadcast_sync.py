@@ -189,6 +189,7 @@ def _check_exact_run(tiny_world, run_dir, audit, rc, log, steps, spans_required=
     return scalars
 
 
+@pytest.mark.stack
 def test_broadcast_interrupt_zero3_exact(tiny_world, tmp_path):
     """Upstream's broadcast under ZeRO-3 (one parameter gathered at a time, ``ds_shape`` sent) with async
     partial rollouts and ``--algo.prox_mode interrupt``: the sync check passes at every checked sync
@@ -201,6 +202,7 @@ def test_broadcast_interrupt_zero3_exact(tiny_world, tmp_path):
     _check_exact_run(tiny_world, run_dir, audit, rc, log, steps=3)
 
 
+@pytest.mark.stack
 def test_broadcast_that_drops_the_data_fails_the_sync_check(tiny_world, tmp_path):
     """Negative control: the substitution's fault mode makes the receiving side's broadcast return without data
     (what vLLM's PyNccl communicator does without NCCL, the measured failure of upstream's gloo backend on CPU).

@@ -71,6 +71,7 @@ def _check_metric_channels(run_dir, log, scalars):
         assert f"'{tag.split('/', 1)[1]}':" in log, f"{tag} missing from the console step summary"
 
 
+@pytest.mark.stack
 def test_sync_run_writes_tensorboard_and_wandb(tiny_world, tmp_path):
     run_dir = str(tmp_path)
     # The engine as users get it by default (torch.compile), here and in the all-corrections run below.
@@ -100,6 +101,7 @@ def test_async_run(tiny_world, tmp_path):
     _check_run(run_dir, rc, log, steps=2)
 
 
+@pytest.mark.stack
 def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     run_dir = str(tmp_path)
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.ess_lr_enable"]
@@ -240,6 +242,7 @@ def test_corrupt_weight_sync_stops_the_run(tiny_world, tmp_path):
     assert "Global step 2" not in log  # stopped at the first sync, no training on garbage rollouts
 
 
+@pytest.mark.stack
 def test_weight_sync_difference_below_canary_tolerance_is_named(tiny_world, tmp_path):
     """One element of one tensor off by 1e-3 after the sync (injected): far below what the canary's
     log-prob tolerance can see, but the per-tensor checksums catch it and name the tensor."""
@@ -253,6 +256,7 @@ def test_weight_sync_difference_below_canary_tolerance_is_named(tiny_world, tmp_
     assert "1 of " in log and name in log, log[-3000:]
 
 
+@pytest.mark.stack
 def test_startup_canary_stops_an_engine_that_computes_another_function(tiny_world, tmp_path):
     """The start-up self-check's engine canary (issue 20) before the first rollout: the bf16 engine and the bf16
     trainer differ by rounding (~1e-2 nats here), so a tolerance of 1e-9 makes it fire, as an engine with another

@@ -113,6 +113,7 @@ def _recomputed(batch: dict) -> dict:
     }
 
 
+@pytest.mark.stack
 def test_two_actor_ranks_zero3_with_ess_lr_tis_and_interrupt_prox(tiny_world, tmp_path):
     """Two DeepSpeed actor ranks under ZeRO-3 (one vLLM engine, 3 logical GPUs), async + partial rollouts, ESS-LR,
     token TIS and exact π_prox scored at each sync (interrupt). Rank-dependent paths: the ESS moments
@@ -179,6 +180,7 @@ def test_two_actor_ranks_zero3_with_ess_lr_tis_and_interrupt_prox(tiny_world, tm
     assert [s for s, _ in canary] == [2] and 0 <= canary[0][1] < 0.5
 
 
+@pytest.mark.stack
 def test_reference_model_and_critic_with_ess_lr_and_tis(tiny_world, tmp_path):
     """GAE with a critic and a KL penalty against a reference model (both on their own logical GPU: upstream's
     default of 8 per node never schedules here), synchronous, with ESS-LR and token TIS. The KL goes into the

@@ -205,6 +205,7 @@ def _hf_check(audit: str, model_dir: str):
     return tokens, lag0, worst_rest, worst_first, first_gap
 
 
+@pytest.mark.stack
 def test_bypass_through_the_cli_is_exact_at_lag_0(tiny_world, tmp_path):
     """Issue 13 item 9, on the real stack (vLLM CPU fp32 + DeepSpeed fp32, async + partial rollouts): the
     π_prox the loss used is μ (no actor forward in make-experience), and μ equals HF's log-prob of each

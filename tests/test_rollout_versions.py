@@ -52,6 +52,7 @@ def _hf_logprobs(model, obs, start, end, eos_id):
     return lp[idx - 1, torch.tensor(obs[start:end])]
 
 
+@pytest.mark.stack
 def test_mu_and_versions_exact_across_mid_flight_sync(tiny_world):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
@@ -164,6 +165,7 @@ def _generator(sampling_mask: str):
     return gen
 
 
+@pytest.mark.stack
 def test_multi_turn_environment_tokens_carry_no_mu_or_version(tiny_world, tmp_path):
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
@@ -191,6 +193,7 @@ def test_multi_turn_environment_tokens_carry_no_mu_or_version(tiny_world, tmp_pa
     assert mask[e1 - 1 : s2 - 1].sum().item() == 0 and mask.sum().item() == (e1 - s1) + (e2 - s2)
 
 
+@pytest.mark.stack
 def test_multi_turn_kept_counts_follow_each_turn(tiny_world, tmp_path):
     """--algo.sampling_mask keep on the agent path: each generate() call's tokens get k_t from the engine (top-k 5),
     environment tokens 0; μ is the truncated log-prob an independent computation gives from those supports; the

@@ -73,7 +73,7 @@ def _run(tiny_world, tmp_path, flags):
 @pytest.mark.parametrize(
     "mode",
     [
-        "snapshot",  # the forward-based exact mode (actor forward with swapped weights)
+        pytest.param("snapshot", marks=pytest.mark.stack),  # the forward-based exact mode (swapped weights)
         pytest.param("interrupt", marks=pytest.mark.slow),  # scored at the sync by the actor (streams)
         pytest.param("dedicated", marks=pytest.mark.slow),  # scored at the sync by the dedicated model
     ],
