@@ -77,7 +77,7 @@ def starts_real_stack(item) -> bool:
     function = getattr(item, "function", None)
     if function is None:
         return False
-    module = inspect.getmodule(function)
+    namespace = function.__globals__  # the test module's
     texts, seen, frontier = [], set(), [function]
     for _ in range(3):  # the test, then what it names in its module, twice
         following = []
@@ -86,8 +86,8 @@ def starts_real_stack(item) -> bool:
             texts.append(text)
             for name in _names(text) - seen:
                 seen.add(name)
-                member = getattr(module, name, None)
-                if inspect.isfunction(member) and inspect.getmodule(member) is module:
+                member = namespace.get(name)
+                if inspect.isfunction(member) and member.__module__ == function.__module__:
                     following.append(member)
                 elif isinstance(member, str):  # a script the test runs in a child process
                     texts.append(member)
@@ -98,7 +98,16 @@ def starts_real_stack(item) -> bool:
     return any(REAL_STACK.search(text) for text in texts)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own
 def pytest_collection_modifyitems(config, items):
+    grouping = getattr(config.option, "loadgroup", False)  # an xdist worker under --dist loadgroup
     for item in items:
         if starts_real_stack(item):
             item.add_marker(pytest.mark.xdist_group(REAL_STACK_GROUP))
+            if grouping:
+                # xdist's scheduler reads the group from the suffix "@<group>" of the test's id, which xdist 3.8 sets
+                # as `item._nodeid`; pytest 9.2 derives the id from `item._id`, so that has no effect (both workers
+                # got real-stack tests, seen in a run): set here the way pytest 9.2 keeps it.
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(f"{item.nodeid}@{REAL_STACK_GROUP}")
