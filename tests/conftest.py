@@ -18,6 +18,7 @@ from tests.helpers.leak_check import (  # noqa: F401
     pytest_runtest_logstart,
     pytest_sessionfinish,
     pytest_sessionstart,
+    pytest_testnodedown,
 )
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

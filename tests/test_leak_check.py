@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from tests.helpers.e2e import REPO
 
@@ -40,8 +41,9 @@ def test_ends_what_it_starts():
 """
 
 
-def _inner(tmp_path, leak: bool):
-    """An inner pytest session (the leak check as a plugin) over INNER; (its result, the leaked PID file)."""
+def _inner(tmp_path, leak: bool, workers: int = 0):
+    """An inner pytest session (the leak check as a plugin) over INNER, on ``workers`` pytest-xdist workers if any;
+    (its result, the leaked PID file)."""
     daemon, pid_file = tmp_path / "daemon.py", tmp_path / "leaked.pid"
     daemon.write_text(DAEMON)
     body = INNER.format(daemon=str(daemon), pid_file=str(pid_file))
@@ -50,12 +52,15 @@ def _inner(tmp_path, leak: bool):
     (tmp_path / "test_inner.py").write_text(body)
     env = {**os.environ, "PYTHONPATH": REPO, "OPENRLHF_ESS_LEAK_GRACE_S": "3"}
     cmd = [sys.executable, "-m", "pytest", "-p", "tests.helpers.leak_check", "-p", "no:cacheprovider", "-q"]
+    cmd += ["-n", str(workers)] if workers else []
     run = subprocess.run(cmd + ["test_inner.py"], cwd=str(tmp_path), env=env, capture_output=True, text=True)
     return run, pid_file
 
 
-def test_a_leaked_process_fails_the_session_and_is_ended(tmp_path):
-    run, pid_file = _inner(tmp_path, leak=True)
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "xdist-2"])
+def test_a_leaked_process_fails_the_session_and_is_ended(tmp_path, workers):
+    """Under pytest-xdist too (scripts/test.sh): the worker's report reaches the controller, which fails the run."""
+    run, pid_file = _inner(tmp_path, leak=True, workers=workers)
     pid = int(pid_file.read_text())
     try:
         out = run.stdout + run.stderr
@@ -68,6 +73,7 @@ def test_a_leaked_process_fails_the_session_and_is_ended(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_a_session_that_ends_what_it_starts_passes(tmp_path):
-    run, _ = _inner(tmp_path, leak=False)
+@pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "xdist-2"])
+def test_a_session_that_ends_what_it_starts_passes(tmp_path, workers):
+    run, _ = _inner(tmp_path, leak=False, workers=workers)
     assert run.returncode == 0 and "1 passed" in run.stdout and "outlived" not in run.stdout, run.stdout + run.stderr

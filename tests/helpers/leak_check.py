@@ -13,6 +13,11 @@ this pytest plugin is the backstop, registered by ``tests/conftest.py``:
   forkserver, torch's compile workers) are not leaks. Those still alive after :data:`GRACE_S` (a last run's
   processes finishing their shutdown) are reported with their command line and the test that was running when
   each started, ended by PID, and the session fails.
+
+Under pytest-xdist (scripts/test.sh: two workers) each worker is a session of its own with its own token, and checks
+the processes its tests started. xdist reads a worker's exit status before this check runs and drops it, so a worker
+hands its report to the controller (``workeroutput``), which prints it and fails the run; the controller leaves the
+workers' processes (those carrying ``PYTEST_XDIST_WORKER``) to them.
 """
 
 from __future__ import annotations
@@ -22,15 +27,18 @@ import time
 from typing import List, Optional, Tuple
 
 import psutil
+import pytest
 
 MARKER = "OPENRLHF_ESS_TEST_SESSION"
+WORKER_ENV = "PYTEST_XDIST_WORKER"  # set by pytest-xdist in each worker, inherited by what its tests start
 GRACE_S = float(os.environ.get("OPENRLHF_ESS_LEAK_GRACE_S", "30"))
 # Helpers of the pytest interpreter itself, which end when it does (not started by a test's run).
 _SESSION_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "_inductor/compile_worker")
 
 
 class LeakCheck:
-    def __init__(self):
+    def __init__(self, controller: bool = False):
+        self.controller = controller  # the xdist controller: its workers check their own tests' processes
         self.pid = os.getpid()
         self.token = f"{self.pid}-{time.time():.6f}"
         os.environ[MARKER] = self.token
@@ -62,6 +70,8 @@ class LeakCheck:
                     found[p.pid] = p
             except psutil.Error:
                 continue
+        if self.controller:
+            found = {pid: p for pid, p in found.items() if WORKER_ENV not in _environ(p)}
         out = []
         for p in found.values():
             try:
@@ -108,6 +118,13 @@ def _children(pid: int) -> List[psutil.Process]:
         return []
 
 
+def _environ(p: psutil.Process) -> dict:
+    try:
+        return p.environ()
+    except psutil.Error:
+        return {}
+
+
 def _created(p: psutil.Process) -> float:
     try:
         return p.create_time()
@@ -120,9 +137,12 @@ def _created(p: psutil.Process) -> float:
 _check: Optional[LeakCheck] = None
 
 
+_from_workers: List[str] = []  # the xdist controller: what its workers reported
+
+
 def pytest_sessionstart(session) -> None:
     global _check
-    _check = LeakCheck()
+    _check = LeakCheck(controller=session.config.pluginmanager.hasplugin("dsession"))
 
 
 def pytest_runtest_logstart(nodeid, location) -> None:
@@ -135,10 +155,21 @@ def pytest_runtest_logfinish(nodeid, location) -> None:
         _check.test_finished(nodeid)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """The xdist controller: an xdist worker has finished; its leak report (see the module's docstring)."""
+    _from_workers.extend(f"[{node.gateway.id}] {line}" for line in getattr(node, "workeroutput", {}).get("leaks", []))
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     if _check is None:
         return
     leaks = _check.finish()
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller reports and fails the run
+        workeroutput["leaks"] = leaks
+        return
+    leaks += _from_workers
     if not leaks:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
