@@ -94,7 +94,7 @@ def starts_real_stack(item) -> bool:
                     texts.append(member)
         frontier = following
     for name in getattr(item, "fixturenames", ()):
-        for fixturedef in getattr(item, "_fixtureinfo").name2fixturedefs.get(name, ()):
+        for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
             texts.append(_source(fixturedef.func))
     return any(REAL_STACK.search(text) for text in texts)
 

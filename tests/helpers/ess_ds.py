@@ -101,10 +101,11 @@ def main() -> None:
     if a.variant is not None:
         train_variant(a, a.variant, a.lr, a.out)
         return
-    for entry in a.variants.split(","):
-        variant, lr = entry.split("@")
+    entries = [(entry, *entry.partition("@")[::2]) for entry in a.variants.split(",")]
+    for entry, variant, _ in entries:  # all checked before the first variant trains
         if variant not in VARIANTS:
-            p.error(f"--variants: {variant!r} is none of {VARIANTS}")
+            p.error(f"--variants: {entry!r}: {variant!r} is none of {VARIANTS}")
+    for entry, variant, lr in entries:
         train_variant(a, variant, float(lr), f"{a.out}.{entry}.pt")
 
 
