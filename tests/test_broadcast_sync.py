@@ -26,13 +26,13 @@ interrupt scoring around upstream's broadcast), the engines' version tagging and
 import glob
 import multiprocessing
 import os
-import socket
 
 import pytest
 import torch
 
 from tests.helpers import gloo_broadcast
 from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
+from tests.helpers.ports import free_port
 
 BROADCAST = ["--vllm.sync_backend", "gloo"]  # with the substitution: upstream's non-IPC broadcast, as nccl on a GPU
 TENSORS = 17  # the tiny model's tensors as the engine names them (q/k/v and gate/up fused)
@@ -61,18 +61,12 @@ def _communicator_rank(rank: int, ports: dict, world_size: int, out) -> None:
     out.put((rank, f"{upstream_fn.__module__}.{upstream_fn.__name__}", results))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_gloo_communicator_stands_in_for_pynccl():
     """Upstream's ``stateless_init_process_group`` (a trainer + two engine workers, three processes) returns the
     gloo stand-in, whose ``broadcast`` delivers bf16 and fp32 tensors from rank 0; in fault mode the receivers'
     tensors are left untouched, as by the PyNccl communicator that disables itself without NCCL."""
     ctx = multiprocessing.get_context("spawn")
-    out, ports, world_size = ctx.Queue(), {"1": _free_port(), "drop": _free_port()}, 3
+    out, ports, world_size = ctx.Queue(), {"1": free_port(), "drop": free_port()}, 3
     procs = [ctx.Process(target=_communicator_rank, args=(r, ports, world_size, out)) for r in range(world_size)]
     for p in procs:
         p.start()

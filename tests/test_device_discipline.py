@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from tests.helpers.ds_actor import free_port
+from tests.helpers.ports import free_port
 from tests.helpers.strict_device import COLLECTIVES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,19 +3,14 @@ other and with one process holding the whole batch."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests.helpers.ports import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(tmp_path, case):
@@ -28,7 +23,7 @@ def _torchrun(tmp_path, case):
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "tests.helpers.ess_two_ranks",
         str(tmp_path),

@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(tiny_world, tmp_path, ranks=1, **kw):
     """The helper in one process, or under torchrun with ``ranks`` ranks (gloo on 127.0.0.1): one result per rank."""
-    from tests.helpers.ds_actor import free_port
+    from tests.helpers.ports import free_port
 
     out = tmp_path / "prox.pt"
     launcher = [sys.executable]

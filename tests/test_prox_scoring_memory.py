@@ -216,7 +216,7 @@ def test_zero3_ranks_with_different_streams_run_the_same_forwards(tiny_world, tm
     import subprocess
     import sys
 
-    from tests.helpers.ds_actor import free_port
+    from tests.helpers.ports import free_port
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]

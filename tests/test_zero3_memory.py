@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from tests.helpers.ds_actor import free_port
+from tests.helpers.ports import free_port
 from tests.test_device_discipline import REPO
 
 

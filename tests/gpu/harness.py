@@ -7,10 +7,11 @@ import importlib
 import importlib.machinery
 import importlib.util
 import os
-import socket
 import sys
 import types
 from typing import List, Optional
+
+from tests.helpers.ports import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLACK_BYTES = 256 << 10  # reduction outputs and allocator rounding on top of a memory bound
@@ -178,12 +179,6 @@ def torch_adam_on_cuda(args) -> Optional[str]:
         "optimizer: torch AdamW (cpu_compat's torch_adam patch, also on CUDA) instead of DeepSpeed's FusedAdam, "
         "which would be JIT-built with nvcc first; --fused-adam uses FusedAdam"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def single_rank_env() -> None:

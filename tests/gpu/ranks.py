@@ -15,7 +15,8 @@ import time
 import types
 from typing import List
 
-from tests.gpu.harness import REPO, CollectiveLog, free_port, hide_modules
+from tests.gpu.harness import REPO, CollectiveLog, hide_modules
+from tests.helpers.ports import free_port
 
 RANK_GRACE_S = 20  # after one rank fails, how long the others get to finish (or fail) before they are killed
 NO_COLOCATE = types.SimpleNamespace(

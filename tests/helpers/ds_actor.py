@@ -10,13 +10,8 @@ loss per step and a checksum of the parameters before and after.
 import argparse
 import json
 import os
-import socket
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers.ports import free_port
 
 
 def single_process_env() -> None:

@@ -12,19 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Dict, List, Optional
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from tests.helpers.ports import free_port
 
 TOKEN_ENV = "OPENRLHF_ESS_TEST_RAY_CLUSTER"
 
