@@ -227,53 +227,6 @@ def test_a_signalled_run_cleans_up_at_any_point(tiny_world, tmp_path, capsys, ca
     assert not run.leftovers, run.leftovers
 
 
-def test_what_a_sigkill_leaves_the_next_run_sweeps(tiny_world, tmp_path, capsys):
-    """Issue 30, item 2: SIGKILL to a run's whole process group (the OOM killer, preemption, Slurm after its grace
-    period) runs nothing of ours, and vLLM's queue files stay in /dev/shm; the next run on the node frees them at
-    start-up, from the first run's ledger, and says so. Killed once the run's watch has recorded a queue file
-    (its ledger names one): timed by the run's progress."""
-    import json
-
-    from openrlhf_ess.runtime import shm_cleanup
-
-    state = tmp_path / "state"
-    env = {shm_cleanup.STATE_ENV: str(state)}
-    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
-    first_dir.mkdir()
-    second_dir.mkdir()
-    recorded = []
-
-    def kill_once_recorded(proc, tree):
-        deadline = time.time() + 480
-        while not recorded:
-            for ledger in state.glob("run-*.json"):
-                with open(ledger) as f:
-                    recorded.extend(name for *_, name in json.load(f)["files"] if name.startswith("psm_"))
-            log = f"{first_dir}/log.txt"
-            assert proc.poll() is None, "the run ended before its engine came up: " + open(log).read()[-3000:]
-            assert time.time() < deadline, "no queue file recorded within 8 minutes"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGKILL)
-
-    first = run_cli_tracked(
-        tiny_args(tiny_world, str(first_dir)), str(first_dir), env=env, during=kill_once_recorded, new_session=True
-    )
-    assert first.rc == -signal.SIGKILL, (first.rc, first.log[-3000:])
-    left = [name for name in recorded if os.path.exists(f"/dev/shm/{name}")]
-    assert left, "SIGKILL left no queue file here: the test proves nothing"  # as issue 30 found: they stay
-    count = len(os.listdir("/dev/shm"))
-    second = run_cli_tracked(tiny_args(tiny_world, str(second_dir)), str(second_dir), env=env)
-    with capsys.disabled():
-        print(f"\nSIGKILL left {left}; /dev/shm entries before the second run {count}, after {second.shm_counts[1]}")
-    assert second.rc == 0, second.log[-4000:]
-    line = next((x for x in second.log.splitlines() if "shared-memory file(s) (" in x), "")
-    assert line.startswith("[openrlhf-ess] freed ") and "an earlier run (pid" in line, second.log[:3000]
-    assert all(name in line for name in left[:6]), (left, line)
-    assert not [name for name in left if os.path.exists(f"/dev/shm/{name}")]
-    assert not list(state.glob("run-*.json"))  # the dead run's ledger swept, the second's removed at its end
-    assert not second.shm_left and not second.leftovers, (second.shm_left, second.leftovers)
-
-
 # ---------------------------------------------------------------- 2. edge inputs through the CLI
 
 

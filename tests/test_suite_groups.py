@@ -95,7 +95,7 @@ def test_the_fault_tests_are_in_the_group():
     for function in (
         test_resume.test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts,
         test_faults.test_a_signalled_run_cleans_up_at_any_point,
-        test_faults.test_what_a_sigkill_leaves_the_next_run_sweeps,
+        test_faults.test_engine_killed_mid_rollout_fails_fast,
         test_outputs_e2e.test_a_failed_final_save_under_zero3_with_two_ranks_does_not_hang,
         test_signals.test_bare_ray_init_aborts_a_slow_clean_up_after_sigterm,
     ):
