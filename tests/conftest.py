@@ -27,11 +27,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # vLLM CPU lets this variable replace any engine's own KV-cache size: the tests' engines size theirs (64 MiB
 # in-process, --vllm.cpu_kv_cache_gb in CLI runs), whatever the developer's shell exports.
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-# Ray starts its workers (every actor of a run: the policy, the engine and its EngineCore, the controller) at nice
-# 15, so beside the other xdist worker's tests (nice 0) on 2 cores they got a few percent of a core, and the real-stack
-# group, the suite's critical path, waited: one signal case took 102 s beside a busy process, 82 s with this
-# (docs/tests.md). Scheduling priority only; nothing a test asserts depends on it. Read by each run's raylet.
-os.environ.setdefault("RAY_worker_niceness", "0")
 # The runs' /dev/shm ledgers (openrlhf_ess/runtime/shm_cleanup.py) in the suite's own folder, not the user's state
 # folder.
 if "OPENRLHF_ESS_STATE_DIR" not in os.environ:
