@@ -59,13 +59,15 @@ def engines(tmp_path_factory):
     base = build_world(os.path.join(root, "world"), seed=0, n_prompts=8)["model"]
     trainer_model = bench.faulty_copy(base, os.path.join(root, "trainer"), "none", 8.0)
     ids = bench.canary_ids(AutoConfig.from_pretrained(trainer_model).vocab_size)
-    out = {}
+    runs = []
     for fault, dtype in CASES:
         model = trainer_model
         if fault in ("tied-head", "rope"):
             model = bench.faulty_copy(base, os.path.join(root, fault), fault, 8.0)
         mode = "raw_logprobs" if fault == "raw-logprobs" else "processed_logprobs"
-        eng = bench.engine_logprobs(model, bench.DTYPES[dtype], mode, os.path.join(root, f"{fault}_{dtype}.json"))
+        runs.append((model, bench.DTYPES[dtype], mode, os.path.join(root, f"{fault}_{dtype}.json")))
+    out = {}
+    for (fault, dtype), eng in zip(CASES, bench.engine_logprobs_many(runs)):  # the five engines in one process
         canary_lp, hyp = bench.trainer_logprobs(trainer_model, bench.DTYPES[dtype], *ids, eng["tokens"])
         out[fault, dtype] = (eng, canary_lp, hyp)
     return out
