@@ -24,8 +24,10 @@ import torch
 
 from openrlhf_ess.trainer import resume
 
-N_PROMPTS, BATCH, N_SAMPLES, EPISODES = 32, 8, 4, 2  # tiny_world's 32 prompts, tiny_args' batches of 8
-STEPS = N_PROMPTS // BATCH * EPISODES  # 8
+# The first 16 of tiny_world's 32 prompts (--data.max_samples: upstream selects the file's first lines), tiny_args'
+# batches of 8: two steps an episode, so a resume after step 1 finishes the first episode and trains the second.
+N_PROMPTS, BATCH, N_SAMPLES, EPISODES = 16, 8, 4, 2
+STEPS = N_PROMPTS // BATCH * EPISODES  # 4
 
 
 # ---- the sidecar and the choice of checkpoint (no Ray) -------------------------------------------------
@@ -157,9 +159,11 @@ def test_untrained_prompts_are_the_buffer_then_the_replay_not_yet_drawn():
 # ---- the real stack: kill at a point of the run's progress, resume with the same command -----------------
 
 
-def _prompt_texts(path: str) -> collections.Counter:
+def _prompt_texts(path: str, first: int) -> collections.Counter:
+    """The prompts of the file's ``first`` lines (what --data.max_samples ``first`` trains), with their counts."""
     with open(path) as f:
-        return collections.Counter(json.loads(line)["input"] for line in f if line.strip())
+        lines = [line for line in f if line.strip()][:first]
+    return collections.Counter(json.loads(line)["input"] for line in lines)
 
 
 def _trained(audit: str, tokenizer, prompts, last_step=None) -> collections.Counter:
@@ -334,7 +338,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
         assert f"checkpoint global_step{newest} is incomplete" in second_log
     assert f"resume: restored global_step{restored} (step {restored}," in second_log, second_log[-3000:]
 
-    prompts = _prompt_texts(tiny_world["prompts"])
+    prompts = _prompt_texts(tiny_world["prompts"], N_PROMPTS)
     assert sum(prompts.values()) == N_PROMPTS
     tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
     before = _trained(audit + "_first", tokenizer, prompts, last_step=restored)
