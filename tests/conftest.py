@@ -74,9 +74,10 @@ def _names(source: str) -> set:
 
 
 def starts_real_stack(item) -> bool:
-    """Whether ``item`` (a collected test) starts a Ray instance or the CLI, read from its source (see above)."""
+    """Whether ``item`` (a collected test) starts a Ray instance or the CLI, read from its source (see above); a test
+    marked ``before_ray`` runs the CLI only to a point before Ray starts (and asserts it), so it does not."""
     function = getattr(item, "function", None)
-    if function is None:
+    if function is None or item.get_closest_marker("before_ray"):
         return False
     namespace = function.__globals__  # the test module's
     texts, seen, frontier = [], set(), [function]

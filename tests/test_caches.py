@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from openrlhf_ess.runtime import caches
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +46,7 @@ def test_a_writable_home_or_a_set_variable_changes_nothing(monkeypatch, tmp_path
     assert env == {"TRITON_CACHE_DIR": "/mine/triton", "VLLM_CACHE_ROOT": "/mine/vllm"}
 
 
+@pytest.mark.before_ray  # the CLI stops before Ray: no need to wait for the real-stack group
 def test_the_cli_starts_with_an_unwritable_home():
     """The CLI's imports (DeepSpeed creates Triton's autotune folder at import) and its --help, as a user with a
     read-only HOME runs them: exit 0 and our notice, where before the fix the import raised."""

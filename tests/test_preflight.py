@@ -55,6 +55,7 @@ def test_tiny_run_passes_quickly(tiny_world, tmp_path, capsys):
     assert os.listdir(args.ckpt.output_dir) == []  # created, and the probe file removed
 
 
+@pytest.mark.before_ray  # the CLI stops before Ray: no need to wait for the real-stack group
 def test_cli_stops_before_ray_starts(tiny_world, tmp_path, capsys):
     """The real CLI with a bad prompt file: exit status 2 with our message, no Ray instance started."""
     run_dir = str(tmp_path)

@@ -71,10 +71,14 @@ def _module(tmp_path):
 
 
 def _item(function, fixtures=None):
-    """What starts_real_stack reads of a pytest item: the function, the fixtures it requests and their definitions."""
+    """What starts_real_stack reads of a pytest item: the function, its marks, the fixtures it requests and their
+    definitions."""
     fixtures = fixtures or {}
     info = types.SimpleNamespace(name2fixturedefs={k: [types.SimpleNamespace(func=f)] for k, f in fixtures.items()})
-    return types.SimpleNamespace(function=function, fixturenames=list(fixtures), _fixtureinfo=info)
+    marks = {m.name: m for m in getattr(function, "pytestmark", [])}
+    return types.SimpleNamespace(
+        function=function, fixturenames=list(fixtures), _fixtureinfo=info, get_closest_marker=marks.get
+    )
 
 
 def test_the_group_is_found_from_the_source(tmp_path):
@@ -101,6 +105,22 @@ def test_the_fault_tests_are_in_the_group():
     ):
         assert starts_real_stack(_item(function)), function.__name__
     assert not starts_real_stack(_item(test_resume.test_a_half_written_checkpoint_is_never_loaded))
+
+
+def test_a_cli_run_that_stops_before_ray_is_left_out_of_the_group():
+    """Marked ``before_ray`` (the CLI stops before Ray starts, and the test asserts it): such a test need not wait
+    for the real-stack group; unmarked, the same source would join it."""
+    from tests import test_caches, test_preflight
+
+    for function in (
+        test_preflight.test_cli_stops_before_ray_starts,
+        test_caches.test_the_cli_starts_with_an_unwritable_home,
+    ):
+        assert not starts_real_stack(_item(function)), function.__name__
+        unmarked = types.SimpleNamespace(
+            function=function, fixturenames=[], _fixtureinfo=None, get_closest_marker=lambda name: None
+        )
+        assert starts_real_stack(unmarked), function.__name__
 
 
 GROUPED_TESTS = """
