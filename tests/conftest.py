@@ -113,12 +113,3 @@ def pytest_collection_modifyitems(config, items):
                 from _pytest.nodeid import NodeId
 
                 item._id = NodeId.parse(f"{item.nodeid}@{REAL_STACK_GROUP}")
-    if grouping:
-        # The group's order: first the runs that stop at start-up or start Ray alone (one busy process at a time),
-        # while the other worker's tests hold a core; the full CLI runs (four processes importing at once) last, when
-        # that worker is done and they get both cores. Measured in docs/tests.md.
-        items.sort(key=lambda item: item.fspath.basename not in EARLY_IN_THE_GROUP)  # stable: the rest as collected
-
-
-# The group's modules whose runs stop at start-up or start Ray without the CLI's actors (see above).
-EARLY_IN_THE_GROUP = ("test_signals.py", "test_accelerator_decision.py", "test_resources.py", "test_startup_errors.py")
