@@ -270,7 +270,8 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     ray_dir = args[args.index("--ray.temp_dir") + 1]
     cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray", *args]
     # The engine's process layout GPU users get (tests/helpers/e2e.py): the resume does not depend on it, and vLLM
-    # CPU's own layout adds a worker process pinned to one core, ~40 s of each run's start here (docs/tests.md).
+    # CPU's own layout adds a worker process pinned to one core, ~20-40 s of a run's start here (docs/tests.md). The
+    # sweep case's first run takes CPU's layout: its /dev/shm queues are what the SIGKILL leaves.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": run_dir, **GPU_ENGINE_LAYOUT}
     state = tmp_path / "state"  # both runs' /dev/shm ledgers (openrlhf_ess/runtime/shm_cleanup.py), this test's own
     runs_env = {shm_cleanup.STATE_ENV: str(state)}
