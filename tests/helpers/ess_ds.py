@@ -101,12 +101,17 @@ def main() -> None:
     if a.variant is not None:
         train_variant(a, a.variant, a.lr, a.out)
         return
-    entries = [(entry, *entry.partition("@")[::2]) for entry in a.variants.split(",")]
-    for entry, variant, _ in entries:  # all checked before the first variant trains
+    entries = []  # all checked before the first variant trains: the variant and its learning rate
+    for entry in a.variants.split(","):
+        variant, _, lr = entry.partition("@")
         if variant not in VARIANTS:
             p.error(f"--variants: {entry!r}: {variant!r} is none of {VARIANTS}")
+        try:
+            entries.append((entry, variant, float(lr)))
+        except ValueError:
+            p.error(f"--variants: {entry!r}: no number after '@' (VARIANT@LR, e.g. ours_on@1e-3)")
     for entry, variant, lr in entries:
-        train_variant(a, variant, float(lr), f"{a.out}.{entry}.pt")
+        train_variant(a, variant, lr, f"{a.out}.{entry}.pt")
 
 
 if __name__ == "__main__":
