@@ -70,12 +70,12 @@ def _module(tmp_path):
     return module
 
 
-def _item(function, fixtures=None):
-    """What starts_real_stack reads of a pytest item: the function, its marks, the fixtures it requests and their
-    definitions."""
+def _item(function, fixtures=None, marked=True):
+    """What starts_real_stack reads of a pytest item: the function, its marks (none if not ``marked``), the fixtures
+    it requests and their definitions."""
     fixtures = fixtures or {}
     info = types.SimpleNamespace(name2fixturedefs={k: [types.SimpleNamespace(func=f)] for k, f in fixtures.items()})
-    marks = {m.name: m for m in getattr(function, "pytestmark", [])}
+    marks = {m.name: m for m in getattr(function, "pytestmark", [])} if marked else {}
     return types.SimpleNamespace(
         function=function, fixturenames=list(fixtures), _fixtureinfo=info, get_closest_marker=marks.get
     )
@@ -117,10 +117,7 @@ def test_a_cli_run_that_stops_before_ray_is_left_out_of_the_group():
         test_caches.test_the_cli_starts_with_an_unwritable_home,
     ):
         assert not starts_real_stack(_item(function)), function.__name__
-        unmarked = types.SimpleNamespace(
-            function=function, fixturenames=[], _fixtureinfo=None, get_closest_marker=lambda name: None
-        )
-        assert starts_real_stack(unmarked), function.__name__
+        assert starts_real_stack(_item(function, marked=False)), function.__name__
 
 
 GROUPED_TESTS = """
