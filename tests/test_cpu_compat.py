@@ -45,6 +45,33 @@ def test_patched_calls_behave_on_cpu():
     assert convert_to_torch_dtype("bf16") is torch.bfloat16  # upstream answers still pass through
 
 
+def test_after_import_runs_once_the_module_has_run_before_its_importer_continues(tmp_path, monkeypatch):
+    # A module and an importer that takes a name from it at import time: the callback runs after the module's code
+    # (it sees the module's names), exactly once, and before the importer's `from ... import`, which gets the
+    # patched name, as if the patch had been applied first.
+    (tmp_path / "ess_lazy_target.py").write_text("def f():\n    return 1\n")
+    (tmp_path / "ess_lazy_importer.py").write_text("from ess_lazy_target import f as g\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    calls = []
+
+    def patch():
+        target = sys.modules["ess_lazy_target"]
+        calls.append(target.f())
+        target.f = lambda: 2
+
+    try:
+        cpu_compat.after_import("ess_lazy_target", patch)
+        assert calls == [] and "ess_lazy_target" not in sys.modules
+        import ess_lazy_importer
+
+        assert calls == [1] and ess_lazy_importer.g() == 2
+        cpu_compat.after_import("ess_lazy_target", lambda: calls.append("now"))  # imported already: at once
+        assert calls == [1, "now"] and "ess_lazy_target" not in cpu_compat._HOOK.pending
+    finally:
+        for name in ("ess_lazy_target", "ess_lazy_importer"):
+            sys.modules.pop(name, None)
+
+
 def test_upstream_modules_import_only_with_the_shim():
     code = "import openrlhf.models.ring_attn_utils"
     bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -71,18 +71,47 @@ def test_worker_hook_makes_no_cuda_call_on_a_gpu_node(device_env):
 
 
 def test_worker_hook_applies_the_cpu_patches_on_a_cpu_run():
-    # The same hook on a CPU run: the patches are in place (the CPU path still works).
+    """The same hook on a CPU run: it imports nothing heavy (Ray's queue and lock actors never import torch), and each
+    patch is in place once its module is imported, for the importer too (``from ... import`` of a patched name)."""
     code = textwrap.dedent(
         """
-        import os, torch
+        import json, os, sys
         os.environ["OPENRLHF_ESS_DEVICE"] = "cpu"
-        from openrlhf_ess.runtime import worker_hook
+        from openrlhf_ess.runtime import cpu_compat, worker_hook
         worker_hook.setup_worker()
-        print("PATCHED", getattr(torch.cuda.set_device, "__openrlhf_ess_patch__", False))
+        heavy = sorted(m for m in ("torch", "deepspeed", "openrlhf", "transformers", "vllm") if m in sys.modules)
+        import torch
+        from openrlhf.utils.utils import convert_to_torch_dtype
+        from openrlhf.trainer.ppo_utils.replay_buffer import NaiveReplayBuffer
+        from openrlhf.utils.deepspeed.deepspeed import DeepspeedStrategy
+        from deepspeed.runtime.zero import partition_parameters
+        print("RESULT " + json.dumps({
+            "heavy": heavy,
+            "current_device": torch.cuda.current_device(),
+            "set_device": getattr(torch.cuda.set_device, "__openrlhf_ess_patch__", False),
+            "synchronize": getattr(torch.cuda.synchronize, "__openrlhf_ess_patch__", False),
+            "fp32": str(convert_to_torch_dtype("fp32")),
+            "replay_buffer": str(NaiveReplayBuffer(4).target_device),
+            "torch_adam": getattr(DeepspeedStrategy.get_ds_train_config, "__openrlhf_ess_patch__", False),
+            "zero3": getattr(partition_parameters.dist, "__openrlhf_ess_patch__", False),
+            "pending": sorted(cpu_compat._HOOK.pending),
+        }))
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "PATCHED True" in out.stdout, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    assert json.loads(line[len("RESULT ") :]) == {
+        "heavy": [],
+        "current_device": "cpu",
+        "set_device": True,
+        "synchronize": True,
+        "fp32": "torch.float32",
+        "replay_buffer": "cpu",
+        "torch_adam": True,
+        "zero3": True,
+        "pending": [],
+    }
 
 
 def test_cuda_available_reads_the_decision_first(monkeypatch):

@@ -10,15 +10,22 @@ below is one :class:`Patch` with
 - ``needed()``: without the patch the call really fails on this machine,
 - ``apply()``: the patch itself, idempotent.
 
+- ``module``: the module it patches; the patch is applied the moment that module's code has run (at once if it
+  already has), so a process that never imports it never pays for it.
+
 ``tests/test_cpu_compat.py`` checks the first two for every patch. Ray workers import modules fresh,
 so :func:`apply` also runs in Ray's ``worker_process_setup_hook`` (``openrlhf_ess/runtime/worker_hook.py``). That hook
 runs before Ray sets an actor's ``CUDA_VISIBLE_DEVICES``, so nothing here may initialise CUDA: the decision
 CPU or CUDA is :func:`cuda_available`, which never calls into the CUDA runtime (``tests/test_worker_hook.py``).
+It runs in every worker of a run, Ray's own small actors too (the async queue, the engine lock), which import
+neither torch nor DeepSpeed: applying each patch when its module is imported (:func:`after_import`) keeps those
+workers from importing the whole stack for nothing (~9 s of CPU each, measured; docs/tests.md).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import inspect
@@ -26,7 +33,7 @@ import os
 import sys
 import types
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 _APPLIED = False
 
@@ -95,6 +102,55 @@ class Patch:
     applies: Callable[[], bool]
     needed: Callable[[], bool]
     apply: Callable[[], None]
+    module: str  # applied once this module has been imported ("" = at once)
+
+
+# ---- patches applied when their module is imported ---------------------------------------------
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a module's code has run, before the import statement that loaded it returns, so
+    an importer's ``from module import name`` already sees the patched name (as if the patch had come first)."""
+
+    def __init__(self):
+        self.pending: Dict[str, List[Callable[[], None]]] = {}
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.pending:
+            return None
+        for finder in sys.meta_path:  # the spec the import would have found without us
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if not hasattr(loader, "exec_module"):
+            raise ImportError(f"openrlhf-ess cannot patch {name} after its import: its loader {loader!r} is legacy")
+        run_module = loader.exec_module  # each spec has a loader of its own: the wrapper is this module's only
+
+        def exec_module(module):
+            run_module(module)
+            for callback in self.pending.pop(name, []):
+                callback()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_HOOK = _AfterImport()
+
+
+def after_import(module: str, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` once ``module`` has been imported: now if it has been, else right after its code runs."""
+    if module in sys.modules:
+        callback()
+        return
+    _HOOK.pending.setdefault(module, []).append(callback)
+    if _HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOK)
 
 
 # ---- flash_attn import shim -------------------------------------------------------------------
@@ -335,6 +391,7 @@ PATCHES: List[Patch] = [
         _flash_attn_applies,
         _flash_attn_needed,
         _install_flash_attn_shim,
+        "",
     ),
     Patch(
         "torch.cuda.set_device",
@@ -342,6 +399,7 @@ PATCHES: List[Patch] = [
         _upstream_calls("openrlhf.utils.deepspeed.deepspeed", "DeepspeedStrategy.setup_distributed", "set_device"),
         _cuda_call_fails("set_device", 0),
         _patch_torch_cuda("set_device", _noop),
+        "torch",
     ),
     Patch(
         "torch.cuda.current_device",
@@ -349,6 +407,7 @@ PATCHES: List[Patch] = [
         _upstream_calls("openrlhf.trainer.ray.ppo_actor", "ActorPPOTrainer.ppo_train", "torch.cuda.current_device()"),
         _cuda_call_fails("current_device"),
         _patch_torch_cuda("current_device", _cpu_device),
+        "torch",
     ),
     Patch(
         "torch.cuda.synchronize",
@@ -358,6 +417,7 @@ PATCHES: List[Patch] = [
         ),
         _cuda_call_fails("synchronize"),
         _patch_torch_cuda("synchronize", _noop),
+        "torch",
     ),
     Patch(
         "replay buffer device",
@@ -365,6 +425,7 @@ PATCHES: List[Patch] = [
         _upstream_calls("openrlhf.trainer.ppo_utils.replay_buffer", "NaiveReplayBuffer.__init__", 'f"cuda:'),
         _replay_buffer_needed,
         _patch_replay_buffer,
+        "openrlhf.trainer.ppo_utils.replay_buffer",
     ),
     Patch(
         "fp32 param dtype",
@@ -372,6 +433,7 @@ PATCHES: List[Patch] = [
         _fp32_applies,
         _fp32_needed,
         _patch_fp32_dtype,
+        "openrlhf.utils.utils",
     ),
     Patch(
         "torch AdamW on CPU",
@@ -379,6 +441,7 @@ PATCHES: List[Patch] = [
         _upstream_calls("openrlhf.utils.deepspeed.deepspeed", "DeepspeedStrategy._ds_init_train_model", '"AdamW"'),
         _cpu_adam_not_prebuilt,
         _patch_torch_adam,
+        "openrlhf.utils.deepspeed.deepspeed",
     ),
     Patch(
         "ZeRO-3 all-gathers complete on CPU",
@@ -394,12 +457,14 @@ PATCHES: List[Patch] = [
         ),
         _zero3_gathers_need_ordering,
         _patch_zero3_gathers,
+        "deepspeed.runtime.zero.partition_parameters",
     ),
 ]
 
 
 def apply() -> None:
-    """Apply every patch, once per process. Does nothing (and imports nothing) when the run uses CUDA."""
+    """Apply every patch, once per process, each as its module is imported (:func:`after_import`). Does nothing
+    (and imports nothing) when the run uses CUDA."""
     global _APPLIED
     if _APPLIED:
         return
@@ -410,4 +475,7 @@ def apply() -> None:
     # The shim must come before anything imports openrlhf.models.
     _install_flash_attn_shim()
     for patch in PATCHES:
-        patch.apply()
+        if patch.module:
+            after_import(patch.module, patch.apply)
+        else:
+            patch.apply()
