@@ -7,7 +7,6 @@ is still alive after the run is reported as a leftover, then ended by that PID (
 
 import math
 import os
-import re
 import signal
 import time
 from types import SimpleNamespace
@@ -20,7 +19,7 @@ from openrlhf_ess.runtime import cpu_compat
 cpu_compat.apply()  # upstream's model modules import flash_attn
 
 from tests.helpers.e2e import read_tensorboard, tiny_args  # noqa: E402
-from tests.helpers.faults import run_cli_tracked, write_kill_engine_reward  # noqa: E402
+from tests.helpers.faults import assert_stopped_by_signal, run_cli_tracked, write_kill_engine_reward  # noqa: E402
 
 # ---------------------------------------------------------------- 1. a vLLM engine dies mid-rollout
 
@@ -155,27 +154,14 @@ def _engine_is_up(run_dir, tree):
     return time.time() - first >= 3 * INTERVAL_S
 
 
-def _progress(point):
-    """A point of the run's own progress on disk (tests/test_resume.py::_kill_point): ("mid_step", 0) = the batch
-    of step 1 made (its audit file written), its update under way; ("mid_save", 1) = checkpoint 1 being written."""
-
-    def reached(run_dir, tree):
-        from tests.test_resume import _kill_point
-
-        return _kill_point(point, os.path.join(run_dir, "ckpt", "checkpoints"), os.path.join(run_dir, "audit"))
-
-    return reached
-
-
-# (signal, to the whole process group?, progress point, extra flags). The group cases are what Slurm's scancel and
-# Kubernetes do: SIGTERM to every process of the job (the driver, Ray's daemons and workers, vLLM's processes).
-_SAVING = ["--ckpt.save_steps", "1", "--algo.prox_audit_dir"]
+# (signal, to the whole process group?, progress point). The group cases are what Slurm's scancel and Kubernetes do:
+# SIGTERM to every process of the job (the driver, Ray's daemons and workers, vLLM's processes). SIGTERM mid-step (to
+# the CLI) and mid-save (to the group) are kill-and-resume cases of tests/test_resume.py: these assertions on the
+# signalled run, then the resume.
 SIGNAL_POINTS = {
-    "SIGHUP-while-ray-starts": (signal.SIGHUP, False, _ray_is_starting, []),
-    "SIGTERM-group-engine-up": (signal.SIGTERM, True, _engine_is_up, []),
-    "SIGTERM-mid-step": (signal.SIGTERM, False, _progress(("mid_step", 0)), _SAVING),
-    "SIGTERM-group-mid-save": (signal.SIGTERM, True, _progress(("mid_save", 1)), _SAVING),
-    "SIGINT-engine-up": (signal.SIGINT, False, _engine_is_up, []),
+    "SIGHUP-while-ray-starts": (signal.SIGHUP, False, _ray_is_starting),
+    "SIGTERM-group-engine-up": (signal.SIGTERM, True, _engine_is_up),
+    "SIGINT-engine-up": (signal.SIGINT, False, _engine_is_up),
 }
 
 
@@ -184,17 +170,15 @@ SIGNAL_POINTS = {
 )
 def test_a_signalled_run_cleans_up_at_any_point(tiny_world, tmp_path, capsys, case):
     """Issues 21 (item 4) and 32: a run signalled at a point of its own progress (while Ray starts, as its vLLM
-    engine comes up, mid-step, mid-save; to the CLI alone or to its whole process group) says it is stopping, exits
-    with 128 + the signal's number, removes the /dev/shm files its processes used and leaves no process. Before
-    issue 32, a SIGTERM after ray.init() reached Abseil's handler (Ray's core worker), which aborts the driver 3 s
-    later (exit 134) with the clean-up unfinished, depending on timing. Files are attributed to the run by the
-    processes seen using them, so other runs on the machine (which change the global count, printed) are not
-    counted."""
-    sig, group, reached, extra = SIGNAL_POINTS[case]
+    engine comes up; to the CLI alone or to its whole process group; mid-step and mid-save: tests/test_resume.py)
+    says it is stopping, exits with 128 + the signal's number, removes the /dev/shm files its processes used and
+    leaves no process (:func:`tests.helpers.faults.assert_stopped_by_signal`). Before issue 32, a SIGTERM after
+    ray.init() reached Abseil's handler (Ray's core worker), which aborts the driver 3 s later (exit 134) with the
+    clean-up unfinished, depending on timing. Files are attributed to the run by the processes seen using them, so
+    other runs on the machine (which change the global count, printed) are not counted."""
+    sig, group, reached = SIGNAL_POINTS[case]
     run_dir = str(tmp_path)
-    args = tiny_args(tiny_world, run_dir) + [
-        flag if flag != "--algo.prox_audit_dir" else f"{flag}={tmp_path / 'audit'}" for flag in extra
-    ]
+    args = tiny_args(tiny_world, run_dir)
     where = []
 
     def signal_at_the_point(proc, tree):
@@ -212,19 +196,7 @@ def test_a_signalled_run_cleans_up_at_any_point(tiny_world, tmp_path, capsys, ca
     run = run_cli_tracked(args, run_dir, timeout=600, during=signal_at_the_point, new_session=group)
     with capsys.disabled():
         print(f"\n{case} at {where}: /dev/shm entries before / after: {run.shm_counts} (machine-wide), rc {run.rc}")
-    assert not run.timed_out, run.log[-4000:]
-    assert "*** SIGTERM received" not in run.log or group, run.log[-4000:]  # Abseil's handler: not in the driver
-    if sig == signal.SIGINT:
-        assert run.rc != 0 and "KeyboardInterrupt" in run.log, run.log[-4000:]
-    else:
-        assert run.rc == 128 + sig, (run.rc, run.log[-4000:])
-        assert f"[openrlhf-ess] {sig.name} received: stopping the run." in run.log, run.log[-4000:]
-    if sig != signal.SIGHUP:  # vLLM was up and the CLI had seen its files: it accounts for them, removed or gone
-        # (a group SIGTERM also reaches vLLM's processes, which may unlink their queues before they die; CI, stop 33)
-        account = r"shared-memory file\(s\) this run's processes (left in|used is left in) /dev/shm"
-        assert re.search(account, run.log), run.log[-4000:]
-    assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
-    assert not run.leftovers, run.leftovers
+    assert_stopped_by_signal(run, sig, group)
 
 
 # ---------------------------------------------------------------- 2. edge inputs through the CLI

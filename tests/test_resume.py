@@ -221,29 +221,36 @@ def _queue_files_in_ledgers(state) -> list:
 
 
 @pytest.mark.parametrize(
-    "mode,kill_at,gen_batch,half_written,sweep",
+    "mode,kill_at,gen_batch,half_written,stop",
     [
-        # exact mode; partial rollouts, one vLLM call per step; the engine in vLLM CPU's own layout, whose /dev/shm
-        # queues the SIGKILL leaves for the resumed run to sweep (issue 30, item 2)
-        ("interrupt", ("after_save", 1), None, False, True),
-        ("snapshot", ("mid_step", 1), 16, False, False),  # exact; one vLLM call per 2 steps: prompts buffered at save
-        # and the newest checkpoint left half-written (simulated after the kill)
-        ("ewma", ("mid_save", 3), 16, True, False),
+        # exact mode; partial rollouts, one vLLM call per step; SIGKILL to the group: the engine in vLLM CPU's own
+        # layout, whose /dev/shm queues the SIGKILL leaves for the resumed run to sweep (issue 30, item 2)
+        ("interrupt", ("after_save", 1), None, False, "SIGKILL-group"),
+        # exact; one vLLM call per 2 steps: prompts buffered at save; SIGTERM to the CLI alone mid-step
+        ("snapshot", ("mid_step", 1), 16, False, "SIGTERM"),
+        # SIGTERM to the whole group mid-save (Slurm's scancel, Kubernetes), and the newest checkpoint left
+        # half-written (simulated after the stop)
+        ("ewma", ("mid_save", 3), 16, True, "SIGTERM-group"),
     ],
 )
 def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
-    tiny_world, tmp_path, capsys, mode, kill_at, gen_batch, half_written, sweep
+    tiny_world, tmp_path, capsys, mode, kill_at, gen_batch, half_written, stop
 ):
-    """SIGKILL to the job's process group at a point of its own progress (:func:`_kill_point`: between steps after
-    the step-1 checkpoint, during step 2's update, or during the step-3 save); then the same command again. Trained
+    """A run stopped at a point of its own progress (:func:`_kill_point`: between steps after the step-1
+    checkpoint, during step 2's update, or during the step-3 save); then the same command again. Trained
     prompts: those of the first run's steps up to the checkpoint the second run loaded, plus all of the second
     run's, are the prompt file's, each n_samples_per_prompt x 2 episodes times; exact modes are exact after the
     resume. Every process of both runs is tracked by PID and ended on any exit (tests/helpers/faults.py).
 
+    ``stop``: SIGKILL to the job's process group, or SIGTERM (to the CLI alone, or to the group: the scheduler's
+    first signal), after which the signalled run must also have stopped cleanly: our line, exit 128 + 15, its
+    /dev/shm files removed and no process left (``assert_stopped_by_signal``, the checks of
+    tests/test_faults.py::test_a_signalled_run_cleans_up_at_any_point).
+
     ``half_written``: after the kill the test truncates the newest checkpoint's weights file and deletes its
     sidecar (a kill during the save, simulated); the resume must load the previous one and say so.
 
-    ``sweep`` (issue 30, item 2: a preempted job resubmitted on the same node): the first run's engine runs in vLLM
+    SIGKILL (issue 30, item 2: a preempted job resubmitted on the same node): the first run's engine runs in vLLM
     CPU's own layout, whose message queues live in /dev/shm. SIGKILL runs nothing of ours, so the queue files its
     ledger names stay (the test fails if none did: it would prove nothing); the resumed run frees them at start-up,
     from that ledger, and says so, naming them; none is left, and both runs' ledgers are gone after it. Killed only
@@ -253,8 +260,10 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     from openrlhf_ess.runtime import shm_cleanup
     from tests.helpers.e2e import CPU_ENGINE_LAYOUT, GPU_ENGINE_LAYOUT, tiny_args
     from tests.helpers.e2e import REPO as E2E_REPO
-    from tests.helpers.faults import _Tree, end_processes, run_cli_tracked
+    from tests.helpers.faults import _Tree, assert_stopped_by_signal, end_processes, run_cli_tracked
     from tests.test_prox_modes import audit_exactness
+
+    sweep = stop == "SIGKILL-group"
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=N_PROMPTS)
@@ -280,24 +289,51 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     env.update(runs_env)
 
     t0 = time.time()
-    with open(os.path.join(run_dir, "first.txt"), "w") as log:
-        first = subprocess.Popen(
-            cmd, cwd=E2E_REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    recorded = []  # the queue files the first run's ledger names (SIGKILL)
+    if sweep:
+        with open(os.path.join(run_dir, "first.txt"), "w") as log:
+            first = subprocess.Popen(
+                cmd, cwd=E2E_REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        with _Tree(first.pid) as tree:  # an assertion below ends the whole run (by PID), not only this test
+            deadline = time.time() + 600
+            while (where := _kill_point(kill_at, ckpt, audit)) is None or not recorded:
+                assert first.poll() is None, open(os.path.join(run_dir, "first.txt")).read()[-4000:]
+                assert time.time() < deadline, f"the run did not reach {kill_at} within 10 minutes"
+                if not recorded:
+                    recorded = _queue_files_in_ledgers(state)
+                time.sleep(0.01)
+            tree.sample(shm=False)  # the processes of the moment (cheap: no /dev/shm look)
+            os.killpg(first.pid, signal.SIGKILL)  # the job, its Ray head and workers started in its session
+            first.wait(timeout=60)
+        end_processes(tree.alive(), grace=5)  # Ray daemons that left the session: by PID, recorded above
+        shutil.rmtree(ray_dir, ignore_errors=True)
+    else:
+        group, points = stop.endswith("-group"), []
+
+        def sigterm_at_the_point(proc, tree):
+            deadline = time.time() + 600
+            while (point := _kill_point(kill_at, ckpt, audit)) is None:
+                assert proc.poll() is None, open(os.path.join(run_dir, "log.txt")).read()[-4000:]
+                assert time.time() < deadline, f"the run did not reach {kill_at} within 10 minutes"
+                time.sleep(0.01)
+            points.append(point)
+            if group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
+
+        first = run_cli_tracked(
+            args,
+            run_dir,
+            timeout=900,
+            env={**GPU_ENGINE_LAYOUT, **runs_env},
+            during=sigterm_at_the_point,
+            new_session=group,
         )
-    recorded = []  # the queue files the first run's ledger names
-    with _Tree(first.pid) as tree:  # an assertion below ends the whole run (by PID), not only this test
-        deadline = time.time() + 600
-        while (where := _kill_point(kill_at, ckpt, audit)) is None or (sweep and not recorded):
-            assert first.poll() is None, open(os.path.join(run_dir, "first.txt")).read()[-4000:]
-            assert time.time() < deadline, f"the run did not reach {kill_at} within 10 minutes"
-            if sweep and not recorded:
-                recorded = _queue_files_in_ledgers(state)
-            time.sleep(0.01)
-        tree.sample(shm=False)  # the processes of the moment (cheap: no /dev/shm look)
-        os.killpg(first.pid, signal.SIGKILL)  # the job, its Ray head and workers started in its session
-        first.wait(timeout=60)
-    end_processes(tree.alive(), grace=5)  # Ray daemons that left the session: by PID, recorded above
-    shutil.rmtree(ray_dir, ignore_errors=True)
+        shutil.copy(os.path.join(run_dir, "log.txt"), os.path.join(run_dir, "first.txt"))  # the resume writes log.txt
+        (where,) = points
+        assert_stopped_by_signal(first, signal.SIGTERM, group)
 
     newest = _saved_step(ckpt)
     assert 1 <= newest < STEPS, newest  # it really stopped early

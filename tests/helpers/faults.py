@@ -9,7 +9,9 @@ matched by name. The run's --ray.temp_dir folder is removed afterwards.
 """
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -155,6 +157,25 @@ def run_cli_tracked(
         text = f.read()
     shm_counts = (shm_before, len(os.listdir(SHM_DIR)))
     return TrackedRun(rc, text, seconds, ended_at, timed_out, leftovers, len(tree.seen), tree.shm_left(), shm_counts)
+
+
+def assert_stopped_by_signal(run: TrackedRun, sig: signal.Signals, group: bool) -> None:
+    """A run signalled with ``sig`` (to its whole process group when ``group``, else to the CLI alone) said it was
+    stopping, exited with 128 + the signal's number (SIGINT: KeyboardInterrupt), accounted for and removed the
+    /dev/shm files its processes used and left no process (issues 21 and 32; docs/faults.md §11)."""
+    assert not run.timed_out, run.log[-4000:]
+    assert "*** SIGTERM received" not in run.log or group, run.log[-4000:]  # Abseil's handler: not in the driver
+    if sig == signal.SIGINT:
+        assert run.rc != 0 and "KeyboardInterrupt" in run.log, run.log[-4000:]
+    else:
+        assert run.rc == 128 + sig, (run.rc, run.log[-4000:])
+        assert f"[openrlhf-ess] {sig.name} received: stopping the run." in run.log, run.log[-4000:]
+    if sig != signal.SIGHUP:  # vLLM was up and the CLI had seen its files: it accounts for them, removed or gone
+        # (a group SIGTERM also reaches vLLM's processes, which may unlink their queues before they die; CI, stop 33)
+        account = r"shared-memory file\(s\) this run's processes (left in|used is left in) /dev/shm"
+        assert re.search(account, run.log), run.log[-4000:]
+    assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
+    assert not run.leftovers, run.leftovers
 
 
 # A reward file for --reward.remote_url that kills the vLLM engine it runs in (upstream calls the reward
