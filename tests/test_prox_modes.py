@@ -212,10 +212,11 @@ def test_hilton_ewma_recomputes_prox_for_every_minibatch(tiny_world, tmp_path, r
 @pytest.mark.parametrize(
     "mode, extra",
     [
-        # scoring at interruption in the default suite (issue 31: one exact-π_prox pipeline there); the others in
-        # the stack tier (pytest.ini), which CI runs after it (scripts/test.sh)
+        # the stack tier (pytest.ini), which CI runs after the default suite (scripts/test.sh). The default suite's
+        # exact-π_prox pipeline run (issue 31) is the resumed interrupt run of tests/test_resume.py's kill-and-resume
+        # case, with this test's checks
         pytest.param("snapshot", [], marks=pytest.mark.stack, id="snapshot-extra0"),
-        ("interrupt", []),
+        pytest.param("interrupt", [], marks=pytest.mark.stack, id="interrupt-extra1"),
         pytest.param("dedicated", [], marks=pytest.mark.stack, id="dedicated-extra2"),
         # ZeRO-3 shards the actor: the dedicated model gets the gathered weights at every sync
         pytest.param("dedicated", ["--ds.zero_stage", "3"], marks=pytest.mark.slow, id="dedicated-zero3"),

@@ -258,7 +258,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     from transformers import AutoTokenizer
 
     from openrlhf_ess.runtime import shm_cleanup
-    from tests.helpers.e2e import CPU_ENGINE_LAYOUT, GPU_ENGINE_LAYOUT, tiny_args
+    from tests.helpers.e2e import CPU_ENGINE_LAYOUT, GPU_ENGINE_LAYOUT, read_tensorboard, tiny_args
     from tests.helpers.e2e import REPO as E2E_REPO
     from tests.helpers.faults import _Tree, assert_stopped_by_signal, end_processes, run_cli_tracked
     from tests.test_prox_modes import audit_exactness
@@ -271,7 +271,10 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     args += ["--vllm.dtype", "float32", "--algo.prox_mode", mode, "--algo.prox_audit_dir", audit]
     args += ["--ckpt.save_steps", "1", "--ckpt.load_enable"]  # upstream keeps the newest 3
     args += ["--train.num_episodes", str(EPISODES)]
-    for flag, value in (("--rollout.max_new_tokens", "48"), ("--data.max_len", "96")):  # steps of a few s
+    # Steps of a few s; the interrupt case's responses are long, as test_prox_modes' pipeline run has them: generating
+    # a batch takes longer than training on the one before, so responses in flight span the weight syncs
+    tokens, max_len = ("160", "192") if mode == "interrupt" else ("48", "96")
+    for flag, value in (("--rollout.max_new_tokens", tokens), ("--data.max_len", max_len)):
         args[args.index(flag) + 1] = value
     if gen_batch:
         args += ["--rollout.vllm_generate_batch_size", str(gen_batch)]
@@ -348,6 +351,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     # DeepSpeed's files and our sidecar, or truncated above); then the one before (saved every step).
     restored = newest if os.path.exists(sidecar_of_newest) else newest - 1
     shutil.move(audit, audit + "_first")  # the audit trail restarts with the run's versions
+    shutil.move(os.path.join(run_dir, "tb"), os.path.join(run_dir, "tb_first"))  # and the metrics: the resumed run's
     first_seconds = time.time() - t0
 
     left = [name for name in recorded if os.path.exists(f"/dev/shm/{name}")]
@@ -389,6 +393,19 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     if mode in ("interrupt", "snapshot"):
         checked, stale, mixed, worst, gap = audit_exactness(audit, tiny_world["model"], batches)
         assert checked > 50 and worst < 1e-4, (checked, worst)
+    if mode == "interrupt":
+        # The resumed run is the default suite's exact-π_prox async pipeline run (issue 31): the checks of
+        # tests/test_prox_modes.py::test_exact_modes_through_the_whole_async_partial_pipeline, whose own interrupt run
+        # is in the stack tier. Every stale token scored at the sync that retired its version, in-flight prefixes
+        # included; recompute (the current weights) would differ, so the test can fail.
+        tb = read_tensorboard(run_dir)
+        assert sum(v for _, v in tb["train/prox/masked_missing_tokens"]) == 0
+        assert sum(v for _, v in tb["train/prox/sync_scored_tokens"]) > 0
+        print(f"[exactness] interrupt, resumed: {checked} tokens, {stale} stale, {mixed} spanning a sync, ", end="")
+        print(f"worst {worst:.1e}, recompute off by {gap:.2e}")
+        assert checked > 200 and stale > 0, (checked, stale)
+        assert mixed > 0, "no response spanned a weight sync: the partial-rollout case went untested"
+        assert gap > 1e-3, "recompute would have been indistinguishable: the test could not fail"
     print(
         f"[timing] {mode}: first run {first_seconds:.0f} s, killed {where} ({kill_at}; latest: step {newest}), "
         f"resumed from {restored}"
