@@ -8,8 +8,7 @@ below is one :class:`Patch` with
 - ``applies()``: the upstream code it works around is still there (so an upgrade that removes it
   fails a test instead of leaving a dead patch),
 - ``needed()``: without the patch the call really fails on this machine,
-- ``apply()``: the patch itself, idempotent.
-
+- ``apply()``: the patch itself, idempotent,
 - ``module``: the module it patches; the patch is applied the moment that module's code has run (at once if it
   already has), so a process that never imports it never pays for it.
 
