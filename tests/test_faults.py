@@ -19,7 +19,12 @@ from openrlhf_ess.runtime import cpu_compat
 cpu_compat.apply()  # upstream's model modules import flash_attn
 
 from tests.helpers.e2e import read_tensorboard, tiny_args  # noqa: E402
-from tests.helpers.faults import assert_stopped_by_signal, run_cli_tracked, write_kill_engine_reward  # noqa: E402
+from tests.helpers.faults import (  # noqa: E402
+    assert_stopped_by_signal,
+    run_cli_tracked,
+    signal_at,
+    write_kill_engine_reward,
+)
 
 # ---------------------------------------------------------------- 1. a vLLM engine dies mid-rollout
 
@@ -179,23 +184,11 @@ def test_a_signalled_run_cleans_up_at_any_point(tiny_world, tmp_path, capsys, ca
     sig, group, reached = SIGNAL_POINTS[case]
     run_dir = str(tmp_path)
     args = tiny_args(tiny_world, run_dir)
-    where = []
-
-    def signal_at_the_point(proc, tree):
-        deadline = time.time() + 480
-        while not (point := reached(run_dir, tree)):
-            assert proc.poll() is None, f"the run ended before {case}: " + open(f"{run_dir}/log.txt").read()[-3000:]
-            assert time.time() < deadline, f"{case}: not reached within 8 minutes"
-            time.sleep(0.02)
-        where.append(point)
-        if group:
-            os.killpg(proc.pid, sig)
-        else:
-            proc.send_signal(sig)
-
-    run = run_cli_tracked(args, run_dir, timeout=600, during=signal_at_the_point, new_session=group)
+    at_the_point = signal_at(lambda tree: reached(run_dir, tree), sig, group, case, run_dir, limit_s=480)
+    run = run_cli_tracked(args, run_dir, timeout=600, during=at_the_point, new_session=group)
     with capsys.disabled():
-        print(f"\n{case} at {where}: /dev/shm entries before / after: {run.shm_counts} (machine-wide), rc {run.rc}")
+        counts = f"/dev/shm entries before / after: {run.shm_counts} (machine-wide)"
+        print(f"\n{case} at {at_the_point.points}: {counts}, rc {run.rc}")
     assert_stopped_by_signal(run, sig, group)
 
 

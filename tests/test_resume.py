@@ -260,7 +260,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     from openrlhf_ess.runtime import shm_cleanup
     from tests.helpers.e2e import CPU_ENGINE_LAYOUT, GPU_ENGINE_LAYOUT, read_tensorboard, tiny_args
     from tests.helpers.e2e import REPO as E2E_REPO
-    from tests.helpers.faults import _Tree, assert_stopped_by_signal, end_processes, run_cli_tracked
+    from tests.helpers.faults import _Tree, assert_stopped_by_signal, end_processes, run_cli_tracked, signal_at
     from tests.test_prox_modes import audit_exactness
 
     sweep = stop == "SIGKILL-group"
@@ -312,30 +312,14 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
         end_processes(tree.alive(), grace=5)  # Ray daemons that left the session: by PID, recorded above
         shutil.rmtree(ray_dir, ignore_errors=True)
     else:
-        group, points = stop.endswith("-group"), []
-
-        def sigterm_at_the_point(proc, tree):
-            deadline = time.time() + 600
-            while (point := _kill_point(kill_at, ckpt, audit)) is None:
-                assert proc.poll() is None, open(os.path.join(run_dir, "log.txt")).read()[-4000:]
-                assert time.time() < deadline, f"the run did not reach {kill_at} within 10 minutes"
-                time.sleep(0.01)
-            points.append(point)
-            if group:
-                os.killpg(proc.pid, signal.SIGTERM)
-            else:
-                proc.send_signal(signal.SIGTERM)
-
-        first = run_cli_tracked(
-            args,
-            run_dir,
-            timeout=900,
-            env={**GPU_ENGINE_LAYOUT, **runs_env},
-            during=sigterm_at_the_point,
-            new_session=group,
+        group = stop.endswith("-group")
+        at_the_point = signal_at(
+            lambda tree: _kill_point(kill_at, ckpt, audit), signal.SIGTERM, group, str(kill_at), run_dir, limit_s=600
         )
+        env = {**GPU_ENGINE_LAYOUT, **runs_env}
+        first = run_cli_tracked(args, run_dir, timeout=900, env=env, during=at_the_point, new_session=group)
         shutil.copy(os.path.join(run_dir, "log.txt"), os.path.join(run_dir, "first.txt"))  # the resume writes log.txt
-        (where,) = points
+        (where,) = at_the_point.points
         assert_stopped_by_signal(first, signal.SIGTERM, group)
 
     newest = _saved_step(ckpt)

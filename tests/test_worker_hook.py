@@ -48,14 +48,19 @@ _HOOK_RUN = textwrap.dedent(
 )
 
 
+def _result(argv, env=None) -> dict:
+    """Run ``python argv`` in a fresh process; the JSON of its last ``RESULT `` line."""
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT ") :])
+
+
 def _run_hook(hook: str, device_env=None):
     env = {k: v for k, v in os.environ.items() if k != "OPENRLHF_ESS_DEVICE"}
     if device_env is not None:
         env["OPENRLHF_ESS_DEVICE"] = device_env
-    out = subprocess.run([sys.executable, "-c", _HOOK_RUN, hook], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT ") :])
+    return _result(["-c", _HOOK_RUN, hook], env)
 
 
 @pytest.mark.parametrize("device_env", [None, "cuda"], ids=["undecided-gpu-node", "decided-cuda"])
@@ -98,10 +103,7 @@ def test_worker_hook_applies_the_cpu_patches_on_a_cpu_run():
         }))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    assert json.loads(line[len("RESULT ") :]) == {
+    assert _result(["-c", code]) == {
         "heavy": [],
         "current_device": "cpu",
         "set_device": True,

@@ -159,6 +159,29 @@ def run_cli_tracked(
     return TrackedRun(rc, text, seconds, ended_at, timed_out, leftovers, len(tree.seen), tree.shm_left(), shm_counts)
 
 
+def signal_at(reached, sig: signal.Signals, group: bool, what: str, run_dir: str, limit_s: float):
+    """A ``during`` for :func:`run_cli_tracked`: wait until ``reached(tree)`` returns a point of the run's own progress
+    (looked at every 10 ms; the run must not end first, nor take more than ``limit_s``), append it to the returned
+    function's ``points`` and send ``sig`` to the CLI, or to its whole process group when ``group`` (then start the
+    run with ``new_session=True``: Slurm's scancel, Kubernetes)."""
+
+    def during(proc, tree):
+        deadline = time.time() + limit_s
+        while not (point := reached(tree)):
+            log = os.path.join(run_dir, "log.txt")
+            assert proc.poll() is None, f"the run ended before {what}: " + open(log).read()[-4000:]
+            assert time.time() < deadline, f"{what}: not reached within {limit_s:.0f} s"
+            time.sleep(0.01)
+        during.points.append(point)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+
+    during.points = []
+    return during
+
+
 def assert_stopped_by_signal(run: TrackedRun, sig: signal.Signals, group: bool) -> None:
     """A run signalled with ``sig`` (to its whole process group when ``group``, else to the CLI alone) said it was
     stopping, exited with 128 + the signal's number (SIGINT: KeyboardInterrupt), accounted for and removed the
