@@ -48,10 +48,13 @@ _HOOK_RUN = textwrap.dedent(
 )
 
 
-def _result(argv, env=None) -> dict:
-    """Run ``python argv`` in a fresh process; the JSON of its last ``RESULT `` line."""
+def _result(argv, env=None, stderr=None) -> dict:
+    """Run ``python argv`` in a fresh process; the JSON of its last ``RESULT `` line (its stderr appended to the
+    list ``stderr`` if given)."""
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    if stderr is not None:
+        stderr.append(out.stderr)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT ") :])
 
@@ -99,7 +102,7 @@ def test_worker_hook_applies_the_cpu_patches_on_a_cpu_run():
             "replay_buffer": str(NaiveReplayBuffer(4).target_device),
             "torch_adam": getattr(DeepspeedStrategy.get_ds_train_config, "__openrlhf_ess_patch__", False),
             "zero3": getattr(partition_parameters.dist, "__openrlhf_ess_patch__", False),
-            "pending": sorted(cpu_compat._HOOK.pending),
+            "pending": sorted(cpu_compat._HOOK.pending),  # wandb: the hook waits until a run imports it
         }))
         """
     )
@@ -112,7 +115,7 @@ def test_worker_hook_applies_the_cpu_patches_on_a_cpu_run():
         "replay_buffer": "cpu",
         "torch_adam": True,
         "zero3": True,
-        "pending": [],
+        "pending": ["wandb"],
     }
 
 
@@ -124,3 +127,44 @@ def test_cuda_available_reads_the_decision_first(monkeypatch):
     assert cpu_compat.cuda_available() is True
     monkeypatch.setenv(cpu_compat.DEVICE_ENV, "cpu")
     assert cpu_compat.cuda_available() is False
+
+
+_WANDB_RUN = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    if sys.argv[1] == "hook":
+        os.environ["OPENRLHF_ESS_DEVICE"] = "cpu"
+        from openrlhf_ess.runtime import worker_hook
+        worker_hook.setup_worker()
+    import wandb
+    wandb.init(mode="offline", dir=sys.argv[2], project="p")
+    wandb.log({"x": 1.0})
+    wandb.finish()  # as upstream's WandbLogger.close() at the end of fit()
+    me = os.getpid()
+    children = [int(p) for p in open(f"/proc/{me}/task/{me}/children").read().split()]
+    # What Ray's core worker does when an actor ends: SIGKILL the actor's children, then let Python exit.
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+    print("RESULT " + json.dumps({"children_after_finish": len(children)}), flush=True)
+    """
+)
+
+
+def test_wandb_service_ends_with_the_run_not_at_exit(tmp_path):
+    """A Ray actor that logged to wandb ends without wandb's "Exception ignored in atexit callback ...
+    ConnectionResetError" (CI, stop 37). Ray SIGKILLs an ending actor's children before its atexit hooks run, and
+    wandb's service is one. Without the hook the service outlives ``finish()`` (the control: so the check below can
+    fail); with it, ``finish()`` has ended it and nothing is left for the atexit hook or for Ray to kill."""
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        env[name] = str(tmp_path / name)
+    found = {}
+    for mode in ("bare", "hook"):
+        run_dir = tmp_path / mode
+        run_dir.mkdir()
+        stderr = []
+        found[mode] = _result(["-c", _WANDB_RUN, mode, str(run_dir)], env, stderr)["children_after_finish"]
+        if mode == "hook":
+            assert "Traceback" not in stderr[0] and "Exception ignored" not in stderr[0], stderr[0][-3000:]
+        assert list(run_dir.glob("wandb/offline-run-*/run-*.wandb")), f"{mode}: the run's file is missing"
+    assert found == {"bare": 1, "hook": 0}, found

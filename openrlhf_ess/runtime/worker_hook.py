@@ -11,13 +11,15 @@ runs the hook in a fresh process with every CUDA entry point instrumented and fa
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from openrlhf_ess.runtime import cpu_compat
 
 
 def setup_worker() -> None:
-    """The CPU patches (on a CPU run only), and no "Exception ignored" traceback at teardown.
+    """The CPU patches (on a CPU run only), and no "Exception ignored" traceback at teardown: neither Ray's
+    SystemExit in a finalizer (below) nor wandb's service teardown (:func:`end_wandb_service_with_its_run`).
 
     Ray's worker SIGTERM handler raises SystemExit. At the end of a run (upstream's trainer actor going out
     of scope, then ray.shutdown()) it can land inside a finalizer such as ``ActorHandle.__del__``, where Python
@@ -32,3 +34,33 @@ def setup_worker() -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
+    cpu_compat.after_import("wandb", end_wandb_service_with_its_run)  # nothing imported until a run imports wandb
+
+
+def end_wandb_service_with_its_run() -> None:
+    """Make ``Run.finish()`` also end wandb's service process (``wandb.teardown()``) once no run of the process is
+    left, instead of leaving that to wandb's atexit hook.
+
+    Why: when upstream's trainer actor ends (its handle released at the end of ``train()``), Ray's core worker
+    SIGKILLs the actor's child processes and only then lets Python exit (measured: a child of an actor is dead
+    with -9 when the actor's atexit hooks run). wandb-core is such a child, so wandb's atexit teardown writes to a
+    dead socket and prints "Exception ignored in atexit callback ... ConnectionResetError: Connection lost". It
+    happens whenever the actor's exit wins the race with ``ray.shutdown()`` (CI, stop 37; GPU clusters alike).
+    Ending the service while the run still holds it flushes everything first and unregisters that atexit hook
+    (``wandb.teardown``'s documented use where atexit "is not reliable"). What the run logged is unchanged."""
+    import wandb
+    from wandb.sdk import wandb_run
+
+    original = wandb_run.Run.finish
+    if getattr(original, "__openrlhf_ess_patch__", False):
+        return
+
+    @functools.wraps(original)
+    def finish(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if wandb.run is None:  # no run of this process is left to log: its service has no more work
+            wandb.teardown()
+        return result
+
+    finish.__openrlhf_ess_patch__ = True
+    wandb_run.Run.finish = finish
