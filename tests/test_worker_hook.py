@@ -150,14 +150,20 @@ _WANDB_RUN = textwrap.dedent(
 )
 
 
+def _wandb_env(tmp_path) -> dict:
+    """wandb offline, quiet, and every folder of its own under ``tmp_path``."""
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        env[name] = str(tmp_path / name)
+    return env
+
+
 def test_wandb_service_ends_with_the_run_not_at_exit(tmp_path):
     """A Ray actor that logged to wandb ends without wandb's "Exception ignored in atexit callback ...
     ConnectionResetError" (CI, stop 37). Ray SIGKILLs an ending actor's children before its atexit hooks run, and
     wandb's service is one. Without the hook the service outlives ``finish()`` (the control: so the check below can
     fail); with it, ``finish()`` has ended it and nothing is left for the atexit hook or for Ray to kill."""
-    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
-    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        env[name] = str(tmp_path / name)
+    env = _wandb_env(tmp_path)
     found = {}
     for mode in ("bare", "hook"):
         run_dir = tmp_path / mode
@@ -168,3 +174,31 @@ def test_wandb_service_ends_with_the_run_not_at_exit(tmp_path):
             assert "Traceback" not in stderr[0] and "Exception ignored" not in stderr[0], stderr[0][-3000:]
         assert list(run_dir.glob("wandb/offline-run-*/run-*.wandb")), f"{mode}: the run's file is missing"
     assert found == {"bare": 1, "hook": 0}, found
+
+
+def test_wandb_service_stays_while_another_run_of_the_process_logs(tmp_path):
+    """Ending the service is for the last run only: with two runs (``reinit="create_new"``), finishing the newest
+    (the global ``wandb.run``) leaves the older one logging, and its file is complete once it finishes too. A check of
+    ``wandb.run`` alone would have ended the service under it."""
+    code = textwrap.dedent(
+        """
+        import json, os, sys
+        os.environ["OPENRLHF_ESS_DEVICE"] = "cpu"
+        from openrlhf_ess.runtime import worker_hook
+        worker_hook.setup_worker()
+        import wandb
+        a = wandb.init(mode="offline", dir=sys.argv[1], project="p", reinit="create_new")
+        b = wandb.init(mode="offline", dir=sys.argv[1], project="p", reinit="create_new")
+        b.log({"x": 1.0})
+        b.finish()  # the newest run, wandb.run: after it wandb.run is None, yet run a is still active
+        me = os.getpid()
+        children = lambda: len(open(f"/proc/{me}/task/{me}/children").read().split())
+        alive = children()
+        a.log({"x": 2.0})  # raises if the service had been ended
+        a.finish()
+        print("RESULT " + json.dumps({"service_after_first": alive, "service_after_last": children()}))
+        """
+    )
+    env = _wandb_env(tmp_path)
+    assert _result(["-c", code, str(tmp_path)], env) == {"service_after_first": 1, "service_after_last": 0}
+    assert len(list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))) == 2

@@ -58,7 +58,10 @@ def end_wandb_service_with_its_run() -> None:
     @functools.wraps(original)
     def finish(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        if wandb.run is None:  # no run of this process is left to log: its service has no more work
+        # No run of this process is left to log (wandb's own list of active runs, which also holds runs made with
+        # reinit="create_new"; wandb.run where that list is gone): the service has no more work.
+        left = getattr(getattr(self, "_wl", None), "most_recent_active_run", wandb.run)  # a property
+        if left is None:
             wandb.teardown()
         return result
 
