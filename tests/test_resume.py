@@ -139,6 +139,37 @@ def _parsed(*extra):
     return args
 
 
+def test_the_hold_before_the_sidecar_parks_only_its_step_until_a_signal(monkeypatch):
+    """The test-only hold (resume.HOLD_ENV) that pins the mid-save kill point: unset or another step, no wait at all;
+    its step, a wait that a signal's handler ends (Ray's worker handler raises SystemExit, as the handler here
+    raises), and that is never silent: held past its limit, an error naming the variable."""
+    calls = []
+    monkeypatch.delenv(resume.HOLD_ENV, raising=False)
+    resume.hold_before_sidecar(3, sleep=calls.append)
+    monkeypatch.setenv(resume.HOLD_ENV, "3")
+    resume.hold_before_sidecar(2, sleep=calls.append)
+    assert calls == []
+
+    class Signalled(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Signalled
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        t0 = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(Signalled):
+            resume.hold_before_sidecar(3, limit_s=60)
+        assert 0.25 < time.monotonic() - t0 < 5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(RuntimeError, match=f"{resume.HOLD_ENV}=3: the run was held 0 s and not stopped"):
+        resume.hold_before_sidecar(3, limit_s=0.2)
+
+
 def test_untrained_prompts_are_the_buffer_then_the_replay_not_yet_drawn():
     """The prompts queued with a batch as 'dispatched, not trained': one per buffered prompt group (its
     n samples are adjacent), then the replayed prompts not drawn yet; replay comes before the loader."""
@@ -194,8 +225,9 @@ def _kill_point(kill_at, ckpt: str, audit: str):
     """Whether the run has reached ``kill_at`` = (point, step), read from its own progress on disk (not the wall
     clock, so the kill lands where it says on any machine speed), and where it is: "after_save" = checkpoint
     ``step`` complete (our sidecar written), between steps; "mid_step" = the batch of step ``step`` + 1 made (its
-    audit file written), its update under way; "mid_save" = DeepSpeed writing checkpoint ``step`` (its folder there,
-    the sidecar not yet; if the save was done between two looks, just after it)."""
+    audit file written), its update under way; "mid_save" = DeepSpeed writing checkpoint ``step`` or done with it,
+    our sidecar not yet written (its folder there, no sidecar): the run is held there (resume.HOLD_ENV), so a look
+    that comes late still finds it (CI, stop 38: a late look once found the run past the last step's save)."""
     point, step = kill_at
     folder = os.path.join(ckpt, "_actor", f"global_step{step}")
     complete = os.path.exists(os.path.join(folder, resume.SIDECAR))
@@ -204,7 +236,8 @@ def _kill_point(kill_at, ckpt: str, audit: str):
     if point == "mid_step":
         return "mid-step" if os.path.exists(os.path.join(audit, f"batch_v{step}.pt")) else None
     if os.path.isdir(folder):
-        return "just after the save (missed the save window)" if complete else "mid-save"
+        assert not complete, f"the run went past the hold before {folder}'s sidecar ({resume.HOLD_ENV})"
+        return "mid-save"
     return None
 
 
@@ -228,8 +261,8 @@ def _queue_files_in_ledgers(state) -> list:
         ("interrupt", ("after_save", 1), None, False, "SIGKILL-group"),
         # exact; one vLLM call per 2 steps: prompts buffered at save; SIGTERM to the CLI alone mid-step
         ("snapshot", ("mid_step", 1), 16, False, "SIGTERM"),
-        # SIGTERM to the whole group mid-save (Slurm's scancel, Kubernetes), and the newest checkpoint left
-        # half-written (simulated after the stop)
+        # SIGTERM to the whole group mid-save (Slurm's scancel, Kubernetes; the run held before the sidecar until
+        # then), and the newest checkpoint left half-written (simulated after the stop)
         ("ewma", ("mid_save", 3), 16, True, "SIGTERM-group"),
     ],
 )
@@ -317,6 +350,8 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
             lambda tree: _kill_point(kill_at, ckpt, audit), signal.SIGTERM, group, str(kill_at), run_dir, limit_s=600
         )
         env = {**GPU_ENGINE_LAYOUT, **runs_env}
+        if kill_at[0] == "mid_save":  # the first run waits there for the signal (its resume does not)
+            env[resume.HOLD_ENV] = str(kill_at[1])
         first = run_cli_tracked(args, run_dir, timeout=900, env=env, during=at_the_point, new_session=group)
         shutil.copy(os.path.join(run_dir, "log.txt"), os.path.join(run_dir, "first.txt"))  # the resume writes log.txt
         (where,) = at_the_point.points

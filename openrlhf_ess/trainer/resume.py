@@ -50,6 +50,27 @@ def tag_of(global_step: int) -> str:
     return f"global_step{global_step}"  # upstream's BasePPOTrainer.save_logs_and_checkpoints
 
 
+# Tests only: park the run between DeepSpeed's files of this step and our sidecar, until the run is stopped. A kill
+# point the run cannot pass on any machine speed (tests/test_resume.py: a test that looked late once saw the run
+# already past it; CI, stop 38).
+HOLD_ENV = "OPENRLHF_ESS_FAULT_HOLD_BEFORE_SIDECAR"
+
+
+def hold_before_sidecar(global_step: int, limit_s: float = 600.0, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Tests only (``OPENRLHF_ESS_FAULT_HOLD_BEFORE_SIDECAR=<step>``): at the save of that step, after every rank's
+    DeepSpeed save returned and before :func:`write_sidecar`, wait until the process is stopped (a signal ends the
+    wait: Ray's worker handler raises SystemExit inside ``sleep``). Not stopped within ``limit_s``: an error naming
+    the variable, never a silent hang. Any other step, or the variable unset: returns at once."""
+    held = os.environ.get(HOLD_ENV, "")
+    if not held or int(held) != global_step:
+        return
+    print(f"[openrlhf-ess] {HOLD_ENV}={held}: holding the run before {tag_of(global_step)}'s sidecar", flush=True)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        sleep(0.05)
+    raise RuntimeError(f"{HOLD_ENV}={held}: the run was held {limit_s:.0f} s and not stopped; unset it (tests only)")
+
+
 def write_sidecar(ckpt_path: str, global_step: int, state: dict) -> Optional[str]:
     """Write ``state`` next to DeepSpeed's files of step ``global_step`` (temp file, fsync, rename).
 
