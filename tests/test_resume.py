@@ -139,16 +139,20 @@ def _parsed(*extra):
     return args
 
 
-def test_the_hold_before_the_sidecar_parks_only_its_step_until_a_signal(monkeypatch):
-    """The test-only hold (resume.HOLD_ENV) that pins the mid-save kill point: unset or another step, no wait at all;
-    its step, a wait that a signal's handler ends (Ray's worker handler raises SystemExit, as the handler here
-    raises), and that is never silent: held past its limit, an error naming the variable."""
-    calls = []
+def test_the_hold_parks_only_at_its_point_until_a_signal(monkeypatch):
+    """The test-only hold (resume.HOLD_ENV) that pins the kill points of the kill-and-resume test: unset, another
+    point or another step, no wait at all; its point, a wait that a signal's handler ends (Ray's worker handler
+    raises SystemExit, as the handler here raises), and that is never silent: held past its limit, an error naming
+    the variable."""
+
+    def never(seconds):
+        raise AssertionError("held where it must not wait")
+
     monkeypatch.delenv(resume.HOLD_ENV, raising=False)
-    resume.hold_before_sidecar(3, sleep=calls.append)
-    monkeypatch.setenv(resume.HOLD_ENV, "3")
-    resume.hold_before_sidecar(2, sleep=calls.append)
-    assert calls == []
+    resume.hold_at("sidecar", 3, sleep=never)
+    monkeypatch.setenv(resume.HOLD_ENV, "sidecar:3")
+    resume.hold_at("sidecar", 2, sleep=never)
+    resume.hold_at("audit", 3, sleep=never)
 
     class Signalled(Exception):
         pass
@@ -161,13 +165,14 @@ def test_the_hold_before_the_sidecar_parks_only_its_step_until_a_signal(monkeypa
         t0 = time.monotonic()
         signal.setitimer(signal.ITIMER_REAL, 0.3)
         with pytest.raises(Signalled):
-            resume.hold_before_sidecar(3, limit_s=60)
+            resume.hold_at("sidecar", 3, limit_s=60)
         assert 0.25 < time.monotonic() - t0 < 5
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    with pytest.raises(RuntimeError, match=f"{resume.HOLD_ENV}=3: the run was held 0 s and not stopped"):
-        resume.hold_before_sidecar(3, limit_s=0.2)
+    monkeypatch.setenv(resume.HOLD_ENV, "audit:1")
+    with pytest.raises(RuntimeError, match=f"{resume.HOLD_ENV}=audit:1: the run was held 0 s and not stopped"):
+        resume.hold_at("audit", 1, limit_s=0.2)
 
 
 def test_untrained_prompts_are_the_buffer_then_the_replay_not_yet_drawn():
@@ -225,20 +230,29 @@ def _kill_point(kill_at, ckpt: str, audit: str):
     """Whether the run has reached ``kill_at`` = (point, step), read from its own progress on disk (not the wall
     clock, so the kill lands where it says on any machine speed), and where it is: "after_save" = checkpoint
     ``step`` complete (our sidecar written), between steps; "mid_step" = the batch of step ``step`` + 1 made (its
-    audit file written), its update under way; "mid_save" = DeepSpeed writing checkpoint ``step`` or done with it,
-    our sidecar not yet written (its folder there, no sidecar): the run is held there (resume.HOLD_ENV), so a look
-    that comes late still finds it (CI, stop 38: a late look once found the run past the last step's save)."""
+    audit file written), its update not yet begun; "mid_save" = DeepSpeed writing checkpoint ``step`` or done with
+    it, our sidecar not yet written (its folder there, no sidecar). The signalled runs are held at their point
+    (:data:`HOLD_POINT`), so a look that comes late still finds them there (CI, stop 38: a late look once found the
+    run past its last step's save); the look fails if the run went past it."""
     point, step = kill_at
     folder = os.path.join(ckpt, "_actor", f"global_step{step}")
     complete = os.path.exists(os.path.join(folder, resume.SIDECAR))
     if point == "after_save":
         return "after the save" if complete else None
     if point == "mid_step":
-        return "mid-step" if os.path.exists(os.path.join(audit, f"batch_v{step}.pt")) else None
+        if not os.path.exists(os.path.join(audit, f"batch_v{step}.pt")):
+            return None
+        assert not os.path.exists(os.path.join(audit, f"batch_v{step + 1}.pt")), f"the run went past {resume.HOLD_ENV}"
+        return "mid-step"
     if os.path.isdir(folder):
-        assert not complete, f"the run went past the hold before {folder}'s sidecar ({resume.HOLD_ENV})"
+        assert not complete, f"the run went past {resume.HOLD_ENV} before {folder}'s sidecar"
         return "mid-save"
     return None
+
+
+# Where the signalled runs are held (resume.hold_at) until the signal: mid-save, between DeepSpeed's files and our
+# sidecar; mid-step, right after the batch is written to the audit trail, before its update.
+HOLD_POINT = {"mid_save": "sidecar", "mid_step": "audit"}
 
 
 def _queue_files_in_ledgers(state) -> list:
@@ -259,7 +273,8 @@ def _queue_files_in_ledgers(state) -> list:
         # exact mode; partial rollouts, one vLLM call per step; SIGKILL to the group: the engine in vLLM CPU's own
         # layout, whose /dev/shm queues the SIGKILL leaves for the resumed run to sweep (issue 30, item 2)
         ("interrupt", ("after_save", 1), None, False, "SIGKILL-group"),
-        # exact; one vLLM call per 2 steps: prompts buffered at save; SIGTERM to the CLI alone mid-step
+        # exact; one vLLM call per 2 steps: prompts buffered at save; SIGTERM to the CLI alone mid-step (the run
+        # held after step 2's batch was made until then)
         ("snapshot", ("mid_step", 1), 16, False, "SIGTERM"),
         # SIGTERM to the whole group mid-save (Slurm's scancel, Kubernetes; the run held before the sidecar until
         # then), and the newest checkpoint left half-written (simulated after the stop)
@@ -350,8 +365,8 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
             lambda tree: _kill_point(kill_at, ckpt, audit), signal.SIGTERM, group, str(kill_at), run_dir, limit_s=600
         )
         env = {**GPU_ENGINE_LAYOUT, **runs_env}
-        if kill_at[0] == "mid_save":  # the first run waits there for the signal (its resume does not)
-            env[resume.HOLD_ENV] = str(kill_at[1])
+        # The first run waits at the kill point for the signal (its resume does not): a late look still finds it
+        env[resume.HOLD_ENV] = f"{HOLD_POINT[kill_at[0]]}:{kill_at[1]}"
         first = run_cli_tracked(args, run_dir, timeout=900, env=env, during=at_the_point, new_session=group)
         shutil.copy(os.path.join(run_dir, "log.txt"), os.path.join(run_dir, "first.txt"))  # the resume writes log.txt
         (where,) = at_the_point.points

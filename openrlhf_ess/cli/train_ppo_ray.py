@@ -51,7 +51,7 @@ _FORWARDED_ENV = {
     "VLLM_CACHE_ROOT": None,
     "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD": None,  # tests only: see trainer/ray/vllm_worker_wrap.py
     "OPENRLHF_ESS_FAULT_FINAL_SAVE": None,  # tests only: see trainer/saving.py
-    "OPENRLHF_ESS_FAULT_HOLD_BEFORE_SIDECAR": None,  # tests only: see trainer/resume.py
+    "OPENRLHF_ESS_FAULT_HOLD_AT": None,  # tests only: see trainer/resume.py
     cpu_compat.DEVICE_ENV: None,  # the run's accelerator, decided once on the driver (resolve_accelerator)
 }
 # Ray's worker set-up hook: a module that never initialises CUDA (it runs before Ray sets CUDA_VISIBLE_DEVICES).

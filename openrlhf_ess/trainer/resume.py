@@ -50,21 +50,24 @@ def tag_of(global_step: int) -> str:
     return f"global_step{global_step}"  # upstream's BasePPOTrainer.save_logs_and_checkpoints
 
 
-# Tests only: park the run between DeepSpeed's files of this step and our sidecar, until the run is stopped. A kill
-# point the run cannot pass on any machine speed (tests/test_resume.py: a test that looked late once saw the run
-# already past it; CI, stop 38).
-HOLD_ENV = "OPENRLHF_ESS_FAULT_HOLD_BEFORE_SIDECAR"
+# Tests only: park the run at a point of its progress until it is stopped, so that a kill-and-resume test's kill
+# lands there on any machine speed (tests/test_resume.py: a look that came ~1 s late once found the run already past
+# its last step's save; CI, stop 38). "<point>:<n>": "sidecar:<step>", between every rank's DeepSpeed save of that
+# step and our sidecar; "audit:<version>", right after the trainer wrote that batch to --algo.prox_audit_dir, before
+# its update.
+HOLD_ENV = "OPENRLHF_ESS_FAULT_HOLD_AT"
+HOLD_POINTS = ("sidecar", "audit")
 
 
-def hold_before_sidecar(global_step: int, limit_s: float = 600.0, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Tests only (``OPENRLHF_ESS_FAULT_HOLD_BEFORE_SIDECAR=<step>``): at the save of that step, after every rank's
-    DeepSpeed save returned and before :func:`write_sidecar`, wait until the process is stopped (a signal ends the
-    wait: Ray's worker handler raises SystemExit inside ``sleep``). Not stopped within ``limit_s``: an error naming
-    the variable, never a silent hang. Any other step, or the variable unset: returns at once."""
+def hold_at(point: str, n: int, limit_s: float = 600.0, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Tests only (``OPENRLHF_ESS_FAULT_HOLD_AT=<point>:<n>``, :data:`HOLD_POINTS`): at that point, wait until the
+    process is stopped (a signal ends the wait: Ray's worker handler raises SystemExit inside ``sleep``). Not stopped
+    within ``limit_s``: an error naming the variable, never a silent hang. Another point or ``n``, or the variable
+    unset: returns at once."""
     held = os.environ.get(HOLD_ENV, "")
-    if not held or int(held) != global_step:
+    if held != f"{point}:{n}":
         return
-    print(f"[openrlhf-ess] {HOLD_ENV}={held}: holding the run before {tag_of(global_step)}'s sidecar", flush=True)
+    print(f"[openrlhf-ess] {HOLD_ENV}={held}: holding the run here until it is stopped", flush=True)
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         sleep(0.05)
