@@ -285,7 +285,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     tiny_world, tmp_path, capsys, mode, kill_at, gen_batch, half_written, stop
 ):
     """A run stopped at a point of its own progress (:func:`_kill_point`: between steps after the step-1
-    checkpoint, during step 2's update, or during the step-3 save); then the same command again. Trained
+    checkpoint, in step 2 once its batch is made, or during the step-3 save); then the same command again. Trained
     prompts: those of the first run's steps up to the checkpoint the second run loaded, plus all of the second
     run's, are the prompt file's, each n_samples_per_prompt x 2 episodes times; exact modes are exact after the
     resume. Every process of both runs is tracked by PID and ended on any exit (tests/helpers/faults.py).
