@@ -232,7 +232,7 @@ def _kill_point(kill_at, ckpt: str, audit: str):
     ``step`` complete (our sidecar written), between steps; "mid_step" = the batch of step ``step`` + 1 made (its
     audit file written), its update not yet begun; "mid_save" = DeepSpeed writing checkpoint ``step`` or done with
     it, our sidecar not yet written (its folder there, no sidecar). The signalled runs are held at their point
-    (:data:`HOLD_POINT`), so a look that comes late still finds them there (CI, stop 38: a late look once found the
+    (:data:`HOLD_POINT`), so a look that comes late still finds them there (CI at 227e70e: a late look once found the
     run past its last step's save); the look fails if the run went past it."""
     point, step = kill_at
     folder = os.path.join(ckpt, "_actor", f"global_step{step}")
