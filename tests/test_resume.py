@@ -143,7 +143,7 @@ def test_the_hold_parks_only_at_its_point_until_a_signal(monkeypatch):
     """The test-only hold (resume.HOLD_ENV) that pins the kill points of the kill-and-resume test: unset, another
     point or another step, no wait at all; its point, a wait that a signal's handler ends (Ray's worker handler
     raises SystemExit, as the handler here raises), and that is never silent: held past its limit, an error naming
-    the variable."""
+    the variable; a value of another form, an error naming it."""
 
     def never(seconds):
         raise AssertionError("held where it must not wait")
@@ -170,6 +170,10 @@ def test_the_hold_parks_only_at_its_point_until_a_signal(monkeypatch):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+    for wrong in ("sidecar", "save:3", "sidecar:three"):  # never a hold that silently does not come
+        monkeypatch.setenv(resume.HOLD_ENV, wrong)
+        with pytest.raises(ValueError, match=f"{resume.HOLD_ENV}='{wrong}': expected <point>:<n>, point one of"):
+            resume.hold_at("sidecar", 3, sleep=never)
     monkeypatch.setenv(resume.HOLD_ENV, "audit:1")
     with pytest.raises(RuntimeError, match=f"{resume.HOLD_ENV}=audit:1: the run was held 0 s and not stopped"):
         resume.hold_at("audit", 1, limit_s=0.2)

@@ -63,8 +63,10 @@ def hold_at(point: str, n: int, limit_s: float = 600.0, sleep: Callable[[float],
     """Tests only (``OPENRLHF_ESS_FAULT_HOLD_AT=<point>:<n>``, :data:`HOLD_POINTS`): at that point, wait until the
     process is stopped (a signal ends the wait: Ray's worker handler raises SystemExit inside ``sleep``). Not stopped
     within ``limit_s``: an error naming the variable, never a silent hang. Another point or ``n``, or the variable
-    unset: returns at once."""
+    unset: returns at once; a value of another form: an error, not a hold that silently never comes."""
     held = os.environ.get(HOLD_ENV, "")
+    if held and not re.fullmatch(rf"(?:{'|'.join(HOLD_POINTS)}):\d+", held):
+        raise ValueError(f"{HOLD_ENV}={held!r}: expected <point>:<n>, point one of {', '.join(HOLD_POINTS)}")
     if held != f"{point}:{n}":
         return
     print(f"[openrlhf-ess] {HOLD_ENV}={held}: holding the run here until it is stopped", flush=True)
