@@ -53,6 +53,15 @@ CORRECTIONS: Dict[str, List[str]] = {
 # Not in the default grid (choose with --corrections): ESS-LR over recompute's π_prox = π_V, whose weights
 # π_V/μ carry the staleness (with an exact π_prox they carry only the engine mismatch).
 # And PPO-EWMA with β set each step from the observed lag (β = L/(1+L), `--algo.prox_ewma_decay auto`).
+VCPO_VARIANT = [
+    "--algo.ess_lr_enable",
+    "--algo.advantage.baseline",
+    "opob",
+    "--algo.tis_cap",
+    "2",
+    "--algo.tis_level",
+    "seq",
+]
 EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"],
     "TIS + EWMA auto": TIS
@@ -69,12 +78,15 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "TIS + interrupt": TIS + ["--algo.prox_mode", "interrupt"],
     "TIS + dedicated": TIS + ["--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "0.2"],
     "TIS + loglinear": TIS + ["--algo.prox_mode", "loglinear"],
-    # Issue 28: VCPO in full (ESS-LR + its off-policy optimal baseline, sequence-level truncated IS), OPOB alone,
-    # VCPO over the exact π_prox, and PPO-EWMA as Hilton et al. published it (β per optimizer step, θ0 included,
-    # π_prox recomputed for every minibatch)
-    "VCPO": ["--algo.vcpo_enable", "--algo.tis_cap", "2", "--algo.tis_level", "seq"],
+    # A variant of VCPO (ESS-LR + its off-policy optimal baseline over geometric-mean weights truncated at 2, with
+    # this grid's PPO clip and epochs: what the rows "VCPO" of the recorded results ran), OPOB alone, the variant
+    # over the exact π_prox, VCPO as its reference recipe trains (--algo.vcpo_enable; the group size and batch of
+    # this grid kept), and PPO-EWMA as Hilton et al. published it (β per optimizer step, θ0 included, π_prox
+    # recomputed for every minibatch)
+    "VCPO": VCPO_VARIANT,
     "OPOB": ["--algo.advantage.baseline", "opob"],
-    "VCPO + snapshot": ["--algo.vcpo_enable", "--algo.tis_cap", "2", "--algo.tis_level", "seq"] + SNAPSHOT,
+    "VCPO + snapshot": VCPO_VARIANT + SNAPSHOT,
+    "VCPO (recipe)": ["--algo.vcpo_enable"],
     "TIS + EWMA (Hilton)": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "hilton"],
 }
 ALL_CORRECTIONS = {**CORRECTIONS, **EXTRA_CORRECTIONS}

@@ -233,12 +233,90 @@ def add_opob_arguments(parser: argparse.ArgumentParser) -> None:
         "off-policy optimal baseline, for reinforce_baseline, rloo, group_norm and dr_grpo (docs/opob.md).",
     )
     group.add_argument(
+        "--algo.advantage.opob_weight",
+        type=str,
+        default="tis",
+        choices=list(OPOB_WEIGHTS),
+        help="w_i in b*: tis = the sequence weight the loss applies (1 without --algo.tis_cap); seq_product = "
+        "exp(sum_t log pi_prox/mu), untruncated (VCPO's); seq_product_truncated = the same, truncated at "
+        "--algo.tis_cap.",
+    )
+    group.add_argument(
         "--algo.vcpo_enable",
         action="store_true",
         default=False,
-        help="VCPO in full: --algo.ess_lr_enable and --algo.advantage.baseline opob together (the paper's two "
-        "halves; add --algo.tis_cap to truncate the weights both use).",
+        help="VCPO as its reference recipe trains, with every setting below unless passed explicitly: "
+        + "; ".join(_shown(dest, value) for dest, value in VCPO_RECIPE)
+        + "; --train.batch_size = --rollout.batch_size x n (one optimizer step per rollout batch). docs/opob.md.",
     )
+
+
+OPOB_WEIGHTS = ("tis", "seq_product", "seq_product_truncated")
+# --algo.vcpo_enable: VCPO as its reference code trains (recipe/fully_async_policy/shell/vcpo/math/vcpo_k=10.sh of
+# mit-han-lab/vcpo); each setting applies only where the user did not pass the flag (docs/opob.md has the table).
+VCPO_RECIPE = (
+    ("algo.ess_lr_enable", True),  # ess_scaling.enable
+    ("algo.ess_lr_weight", "seq_product"),  # ess_scaling.use_clipped=False: the untruncated product
+    ("algo.ess_lr_floor", 1e-3),  # no floor there; rho >= 1/B, so 1e-3 binds only past B = 10^6
+    ("algo.advantage.baseline", "opob"),  # grad_baselining.enable
+    ("algo.advantage.opob_weight", "seq_product"),  # grad_baselining.use_clipped_is_ratios=False
+    ("algo.advantage.estimator", "group_norm"),  # adv_estimator=grpo, grad_baselining.norm_by_std
+    ("algo.tis_level", "seq_product"),  # rollout_is=sequence
+    ("algo.tis_cap", 8.0),  # rollout_is_threshold=8.0
+    ("actor.eps_clip_low_high", [1.0, 1e9]),  # clip_ratio_low=1.0, clip_ratio_high=1e9 (clip_ratio_c: no dual clip)
+    ("actor.loss_agg_mode", "seq-mean-token-mean"),  # loss_agg_mode
+    ("rollout.n_samples_per_prompt", 16),  # rollout.n
+    ("train.max_epochs", 1),  # one pass: num_minibatches_per_update=1, updates_per_param_sync=1
+)
+VCPO_APPLIED = "algo.vcpo_applied"  # the recipe flags the recipe set (not the user), for messages
+
+
+def _shown(dest: str, value) -> str:
+    """A flag as a user would type it: ``--dest value`` (``--dest`` alone for a switch)."""
+    if value is True:
+        return f"--{dest}"
+    if isinstance(value, (list, tuple)):
+        return f"--{dest} " + " ".join(f"{v:g}" for v in value)
+    return f"--{dest} {value:g}" if isinstance(value, float) else f"--{dest} {value}"
+
+
+def given_dests(parser: argparse.ArgumentParser, argv) -> set:
+    """The dests of the flags ``argv`` passes explicitly (argparse fills the others from their defaults)."""
+    saved = [(action, action.default) for action in parser._actions]
+    try:
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        given, _ = parser.parse_known_args(argv)
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(given))
+
+
+def apply_vcpo_recipe(flat: argparse.Namespace, given: set) -> List[str]:
+    """--algo.vcpo_enable: set every :data:`VCPO_RECIPE` flag the user did not pass, and the training batch to one
+    optimizer step per rollout batch. Runs on the parsed flags before upstream's post-parse code (which derives
+    the clip range and the step counts from them). Returns the notice that says what was set."""
+    flags = vars(flat)
+    flags[VCPO_APPLIED] = ()
+    if not flags.get("algo.vcpo_enable"):
+        return []
+    applied = []
+    for dest, value in VCPO_RECIPE:
+        if dest not in given:
+            flags[dest] = list(value) if isinstance(value, list) else value
+            applied.append(dest)
+    if "train.batch_size" not in given:
+        flags["train.batch_size"] = flags["rollout.batch_size"] * flags["rollout.n_samples_per_prompt"]
+        applied.append("train.batch_size")
+    flags[VCPO_APPLIED] = tuple(applied)
+    shown = ", ".join(_shown(d, flags[d]) for d in applied)
+    kept = [f"--{d}" for d, _ in VCPO_RECIPE if d in given]
+    return [
+        f"--algo.vcpo_enable: VCPO's reference recipe: {shown or 'nothing (every flag passed)'}"
+        + (f"; kept as passed: {', '.join(kept)}" if kept else "")
+        + "."
+    ]
 
 
 def opob_on(args: types.SimpleNamespace) -> bool:
@@ -268,7 +346,9 @@ def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
         type=str,
         default="token",
         choices=list(TIS_LEVELS),
-        help="token: per-token ratio; seq: the sequence's geometric-mean ratio, capped, applied to all its tokens.",
+        help="token: per-token ratio; seq: the sequence's geometric-mean ratio exp(mean_t log pi_prox/mu), capped, "
+        "applied to all its tokens; seq_product: the trajectory's ratio exp(sum_t log pi_prox/mu) (VCPO's), capped "
+        "(--algo.tis_cap, default 8 at this level).",
     )
     group.add_argument(
         "--algo.max_version_lag",
@@ -809,62 +889,76 @@ def _validate_opob(args: types.SimpleNamespace, notices: List[str]) -> None:
     from openrlhf_ess.models.opob import OPOB_ESTIMATORS
 
     algo = args.algo
-    if algo.vcpo_enable:
-        changed = [
-            flag for flag, on in (("--algo.ess_lr_enable", algo.ess_lr_enable), ("opob", opob_on(args))) if not on
-        ]
-        algo.ess_lr_enable, algo.advantage.baseline = True, "opob"
-        if changed:
-            notices.append(
-                "--algo.vcpo_enable: ESS-guided LR (--algo.ess_lr_enable) and the off-policy optimal "
-                "baseline (--algo.advantage.baseline opob) are on."
-            )
+    applied = getattr(algo, "vcpo_applied", ())
+    if algo.advantage.opob_weight != "tis" and not opob_on(args):
+        raise ConfigError(
+            f"--algo.advantage.opob_weight {algo.advantage.opob_weight} chooses the weights of the optimal baseline: "
+            "add --algo.advantage.baseline opob, or drop the flag."
+        )
     if not opob_on(args):
         return
+    # the flag the user passed: --algo.vcpo_enable where its recipe turned the baseline on
+    flag = "--algo.vcpo_enable" if "algo.advantage.baseline" in applied else "--algo.advantage.baseline opob"
+    drop = "--algo.advantage.baseline estimator" if flag == "--algo.vcpo_enable" else "drop it"
     estimator = algo.advantage.estimator
     if estimator not in OPOB_ESTIMATORS:
         raise ConfigError(
-            f"--algo.advantage.baseline opob replaces the prompt group's baseline of a critic-free estimator, but "
-            f"--algo.advantage.estimator is {estimator}: use one of {', '.join(OPOB_ESTIMATORS)}, or drop "
-            "--algo.advantage.baseline opob."
+            f"{flag} replaces the prompt group's baseline of a critic-free estimator, but "
+            f"--algo.advantage.estimator is {estimator}: use one of {', '.join(OPOB_ESTIMATORS)}, or {drop}."
         )
     if args.rollout.n_samples_per_prompt < 2:
         raise ConfigError(
-            "--algo.advantage.baseline opob is a baseline over each prompt's samples: set "
+            f"{flag}: the optimal baseline is a baseline over each prompt's samples: set "
             f"--rollout.n_samples_per_prompt >= 2 (got {args.rollout.n_samples_per_prompt})."
         )
     if estimator == "reinforce_baseline" and algo.advantage.gamma != 1.0:
         raise ConfigError(
-            f"--algo.advantage.baseline opob with reinforce_baseline needs --algo.advantage.gamma 1 (upstream forces "
-            f"1 for this estimator), got {algo.advantage.gamma}."
+            f"{flag} with reinforce_baseline needs --algo.advantage.gamma 1 (upstream forces 1 for this estimator), "
+            f"got {algo.advantage.gamma}."
         )
     if algo.prox_mode == BYPASS_PROX_MODE:
         raise ConfigError(
-            "--algo.advantage.baseline opob takes its gradient norms from the actor's make-experience forward, "
-            "which --algo.prox_mode bypass skips: use --algo.prox_mode recompute/snapshot/interrupt/dedicated."
+            f"{flag}: the optimal baseline takes its gradient norms from the actor's make-experience forward, which "
+            "--algo.prox_mode bypass skips: use --algo.prox_mode recompute (VCPO's own pi_old at one step per "
+            f"batch), snapshot, interrupt or dedicated, or {drop}."
+        )
+    if algo.advantage.opob_weight != "tis" and not args.vllm.num_engines:
+        raise ConfigError(
+            f"--algo.advantage.opob_weight {algo.advantage.opob_weight} weighs by pi_prox/mu: it needs the rollout "
+            "log-probs (mu) of vLLM engines, --vllm.num_engines >= 1."
+        )
+    if algo.advantage.opob_weight == "seq_product_truncated" and algo.tis_cap is None:
+        raise ConfigError(
+            "--algo.advantage.opob_weight seq_product_truncated truncates at --algo.tis_cap: add --algo.tis_cap C, "
+            "or use seq_product (untruncated)."
         )
     if sampling_mask_on(args):
         raise ConfigError(
-            "--algo.advantage.baseline opob with --algo.sampling_mask keep: the norms are computed over the full "
-            "vocabulary, not the kept support. Drop one of them."
+            f"{flag} with --algo.sampling_mask keep: the optimal baseline's norms are computed over the full "
+            f"vocabulary, not the kept support. Drop --algo.sampling_mask keep, or {drop}."
         )
     if args.ds.packing_samples or args.ds.ring_attn_size > 1 or args.ds.tensor_parallel_size > 1:
         raise ConfigError(
-            "--algo.advantage.baseline opob reads each sample's LM-head inputs and logits whole; "
+            f"{flag}: the optimal baseline reads each sample's LM-head inputs and logits whole; "
             "--ds.packing_samples, --ds.ring_attn_size > 1 and --ds.tensor_parallel_size > 1 split or pack them. "
             "Drop those flags."
         )
     if args.reward.overlong_buffer_len is not None or args.reward.stop_properly_penalty_coef is not None:
         raise ConfigError(
-            "--algo.advantage.baseline opob with a length penalty (--reward.overlong_buffer_len / "
-            "--reward.stop_properly_penalty_coef): not supported yet; drop one of them."
+            f"{flag} with a length penalty (--reward.overlong_buffer_len / --reward.stop_properly_penalty_coef): "
+            f"the optimal baseline does not support one yet; drop the penalty, or {drop}."
         )
 
 
 def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> None:
     """TIS, version lag and k2 KL rules; maps token-level TIS onto upstream's IS-correction flags."""
+    from openrlhf_ess.models.corrections import TIS_DEFAULT_CAP
+
     algo = args.algo
     upstream_is = algo.advantage.is_correction_level != "off"
+    if algo.tis_cap is None and algo.tis_level in TIS_DEFAULT_CAP:
+        algo.tis_cap = TIS_DEFAULT_CAP[algo.tis_level]
+        notices.append(f"--algo.tis_level {algo.tis_level}: weights truncated at --algo.tis_cap {algo.tis_cap:g}.")
     if algo.tis_cap is not None:
         if not algo.tis_cap > 0:
             raise ConfigError(f"--algo.tis_cap must be > 0 (typically 2), got {algo.tis_cap}.")

@@ -237,6 +237,12 @@ def test_sequence_level_discrepancy_factor_is_the_policy_losss_weight():
     assert grad_tok[0, 1:].tolist() == pytest.approx([math.exp(0.3), math.exp(0.5)], rel=1e-12)
     with pytest.raises(ValueError, match="action_mask"):
         C.kl_loss_k2(lp, ref, prox, mu, tis_cap=2.0, tis_level="seq")
+    # seq_product: d = min(exp(Σ_t log π_prox/μ), C) with C = 8. Row 0: exp(0.8) = 2.2255; row 1: exp(2.7) =
+    # 14.88 -> 8. w = [–, e^0.1·e^0.8, e^−0.1·e^0.8] = [–, e^0.9, e^0.7]; [8, min(8e^0.2, 10) = 9.771, 10]
+    want = [[math.exp(0.9), math.exp(0.7)], [8.0, 8 * math.exp(0.2), 10.0]]
+    _, grad = _value_and_grad(lp, ref, prox, mu, tis_cap=8.0, tis_level="seq_product", action_mask=mask)
+    assert grad[0, 1:].tolist() == pytest.approx(want[0], rel=1e-6)
+    assert grad[1].tolist() == pytest.approx(want[1], rel=1e-6)
 
 
 # ---- 4. extreme log-probs ------------------------------------------------------------------------------------

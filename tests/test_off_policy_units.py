@@ -86,6 +86,56 @@ def test_tis_weights_token_and_seq():
     assert torch.allclose(seq, torch.tensor([[1.5 ** (1 / 3)] * 3, [2.0, 2.0, 0.0]]), atol=1e-6)
 
 
+def test_tis_weights_seq_product_against_float64_on_long_responses():
+    """The trajectory ratio exp(Σ_t log π_prox/μ), truncated at C, against a float64 computation (Python floats,
+    token by token): 4,096-token responses whose sums reach ±800 nats (exp overflows float64 at 709) give the
+    cap or 0 without inf/NaN, and sums near log C are truncated exactly at C."""
+    g = torch.Generator().manual_seed(0)
+    B, T, cap = 6, 4096, 8.0
+    mu = -torch.rand(B, T, generator=g) * 3
+    shift = torch.tensor([0.2, -0.2, 0.0, math.log(cap) / 1000, 0.0, 1e-4])[:, None]
+    prox = mu + shift + 1e-3 * torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T)
+    mask[3, 1000:] = 0  # Σ over 1,000 tokens ≈ log C: right at the cap
+    mask[4, :] = 0  # no response token
+    mask[5, :2000] = 0  # left padding
+    w = C.tis_weights(prox, mu, mask, cap, "seq_product")
+    assert torch.isfinite(w).all()
+    for i in range(B):
+        total = sum(float(p) - float(m) for p, m, k in zip(prox[i].tolist(), mu[i].tolist(), mask[i].tolist()) if k)
+        expected = min(math.exp(min(total, 700.0)), cap) if mask[i].any() else 0.0
+        on = mask[i].bool()
+        assert torch.all(w[i][~on] == 0)
+        if on.any():
+            assert w[i][on].unique().numel() == 1  # one weight for every token of the sequence
+            assert w[i][on][0].item() == pytest.approx(expected, rel=1e-5, abs=1e-30)
+    assert w[0].max().item() == cap and w[1].max().item() == 0.0  # +819 nats: the cap; -819: underflow to 0
+    assert C.tis_truncated(w[0], cap).any() and not C.tis_truncated(w[5], cap).any()
+
+
+def test_sequence_product_tis_loss_matches_hand_computation():
+    torch.manual_seed(1)
+    B, T = 3, 5
+    log_probs = (-torch.rand(B, T)).requires_grad_()
+    old = log_probs.detach() + 0.3 * torch.randn(B, T)
+    mu = old - torch.tensor([[0.7], [-0.2], [0.1]])  # per token; Σ over 4, 3, 4 tokens: 2.8, -0.6, 0.4
+    adv = torch.randn(B, T)
+    mask = torch.ones(B, T)
+    mask[:, 0] = 0
+    mask[1, 1] = 0
+    base = UpstreamPolicyLoss(clip_eps_low=1.0, clip_eps_high=1e9)  # VCPO's recipe: no clip
+    ours = PolicyLoss.from_upstream(base, tis_cap=8.0, tis_level="seq_product")
+    loss, *_, clipped = ours(log_probs, old, adv, action_mask=mask, rollout_log_probs=mu)
+    w = torch.tensor([min(math.exp(2.8), 8.0), math.exp(-0.6), math.exp(0.4)])[:, None]  # e^2.8 = 16.4 -> 8
+    r = torch.exp(log_probs - old)
+    expected = ((-w * r * adv) * mask).sum() / mask.sum()  # no clip: the plain IS-weighted surrogate
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    g_ours = torch.autograd.grad(loss, log_probs)[0]
+    g_hand = torch.autograd.grad(expected, log_probs)[0]
+    assert torch.allclose(g_ours, g_hand, atol=1e-6)
+    assert clipped.item() == pytest.approx(1 / 3)  # the first sequence is truncated
+
+
 def test_sequence_tis_loss_matches_hand_computation():
     torch.manual_seed(0)
     B, T = 3, 4
@@ -134,10 +184,11 @@ def test_sequence_tis_clip_metric_counts_truncated_sequences_of_left_padded_batc
 _UPSTREAM_FOR_TIS = {
     "token": dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=[0.0, 2.0]),
     "seq": {},
+    "seq_product": {},
 }
 
 
-@pytest.mark.parametrize("level", ["token", "seq"])
+@pytest.mark.parametrize("level", ["token", "seq", "seq_product"])
 def test_tis_without_rollout_log_probs_names_the_flag(level):
     ours = PolicyLoss.from_upstream(UpstreamPolicyLoss(**_UPSTREAM_FOR_TIS[level]), tis_cap=2.0, tis_level=level)
     lp = torch.zeros(2, 3)

@@ -2,6 +2,7 @@
 compute_advantages_and_returns with its baseline replaced, checked per estimator against advantages written out
 here from the definitions; the norms' round trip through the actor's forward result; the flags; a real run."""
 
+import decimal
 import math
 import types
 
@@ -20,12 +21,15 @@ from openrlhf_ess.trainer import opob  # noqa: E402
 N = 4  # samples per prompt
 
 
-def _args(estimator, tis_cap=None):
+def _args(estimator, tis_cap=None, weight="tis", tis_level="token"):
     return types.SimpleNamespace(
         algo=types.SimpleNamespace(
-            advantage=types.SimpleNamespace(estimator=estimator, gamma=1.0, lambd=1.0, no_std_norm=False),
+            advantage=types.SimpleNamespace(
+                estimator=estimator, gamma=1.0, lambd=1.0, no_std_norm=False, opob_weight=weight
+            ),
             ess_lr_weight="geo_mean",
             tis_cap=tis_cap,
+            tis_level=tis_level,
         ),
         rollout=types.SimpleNamespace(n_samples_per_prompt=N, max_new_tokens=6),
         reward=types.SimpleNamespace(clip_range=(-10, 10), overlong_buffer_len=None, stop_properly_penalty_coef=None),
@@ -67,31 +71,56 @@ def _maker(args):
     return maker
 
 
-def _expected_baselines(exps, norms, tis_cap=None):
-    """{prompt-order index: b*} from the definition, with plain Python arithmetic."""
+def _expected_baselines(exps, norms, tis_cap=None, weight="tis", level="token"):
+    """{prompt-order index: b*} from the definition, in decimal arithmetic (whose exponent range holds a trajectory
+    ratio exp(Σ_t log π/μ) far past float64's): w = the loss's geometric-mean weight truncated at the cap (``tis``,
+    1 without a cap), or the product exp(Σ_t log π/μ), truncated at the cap or not."""
     rows = {}
     for exp, nrm in zip(exps, norms):
         for r, i in enumerate(exp.index):
-            m = exp.action_mask[r].double()
-            log_w = ((exp.action_log_probs[r].double() - exp.rollout_log_probs[r].double()) * m).sum() / m.sum()
-            w = min(math.exp(log_w.item()), tis_cap) if tis_cap is not None else 1.0  # no IS in the loss: w = 1
-            rows[i] = (exp.rewards[r].item(), w, nrm[r].item())
+            diffs = [
+                decimal.Decimal(float(a)) - decimal.Decimal(float(b))
+                for a, b, m in zip(exp.action_log_probs[r], exp.rollout_log_probs[r], exp.action_mask[r])
+                if m
+            ]
+            if weight == "tis":
+                log_w = sum(diffs) / len(diffs)
+            else:
+                log_w = sum(diffs)
+            w = log_w.exp()
+            if weight == "seq_product_truncated" or (weight == "tis" and tis_cap is not None):
+                w = min(w, decimal.Decimal(tis_cap))
+            elif weight == "tis":
+                w = decimal.Decimal(1)  # no IS in the loss: w = 1
+            if weight != "tis" and level == "seq_product":
+                # the reference's ‖g_i‖ is that of the IS-weighted loss: the loss's min(product, C) once more
+                w = w * min(sum(diffs).exp(), decimal.Decimal(tis_cap))
+            rows[i] = (decimal.Decimal(exp.rewards[r].item()), w, decimal.Decimal(nrm[r].item()))
     out = {}
     for g in range(len(rows) // N):
         members = range(g * N, (g + 1) * N)
         num = sum(rows[i][1] ** 2 * rows[i][2] * rows[i][0] for i in members)
         den = sum(rows[i][1] ** 2 * rows[i][2] for i in members)
         for i in members:
-            out[i] = num / den
-    return out, {i: v[0] for i, v in rows.items()}
+            out[i] = float(num / den)
+    return out, {i: float(v[0]) for i, v in rows.items()}
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "dr_grpo", "group_norm", "reinforce_baseline"])
-@pytest.mark.parametrize("tis_cap", [None, 1.1])
-def test_advantages_use_the_optimal_baseline(estimator, tis_cap):
-    args = _args(estimator, tis_cap)
+@pytest.mark.parametrize(
+    "tis_cap,weight,level",
+    [
+        (None, "tis", "token"),
+        (1.1, "tis", "token"),
+        (None, "seq_product", "token"),
+        (1.1, "seq_product_truncated", "token"),
+        (1.5, "seq_product", "seq_product"),  # VCPO's recipe: the loss weights each trajectory by min(product, C)
+    ],
+)
+def test_advantages_use_the_optimal_baseline(estimator, tis_cap, weight, level):
+    args = _args(estimator, tis_cap, weight, level)
     exps, norms = _batch()
-    b, R = _expected_baselines(exps, norms, tis_cap)
+    b, R = _expected_baselines(exps, norms, tis_cap, weight, level)
     maker = _maker(args)
     out, metrics = opob.replace_baseline(
         maker, exps, lambda e: RemoteExperienceMaker.compute_advantages_and_returns(maker, e), norms
@@ -121,6 +150,45 @@ def test_advantages_use_the_optimal_baseline(estimator, tis_cap):
             assert exp.info["reward"][r].item() == pytest.approx(R[i])  # and so is the logged one
     assert metrics["opob/baseline"] == pytest.approx(sum(b.values()) / len(b), rel=1e-6)
     assert metrics["opob/grad_norm_rel_spread"] > 0
+
+
+def test_an_untruncated_product_past_floats_range_gives_the_exact_baseline():
+    """4,096-token responses whose log ratios add up to ±(hundreds to thousands): exp(Σ_t log π/μ) is inf or 0 in
+    float64, yet b* (which depends only on the weights' ratios within a group) must come out as the exact
+    decimal computation says, finite and different from the plain mean."""
+    g = torch.Generator().manual_seed(3)
+    exps = []
+    for index in ([0, 1, 2, 3], [4, 5, 6, 7]):
+        mu = -torch.rand(4, 4096, generator=g) * 2
+        shift = torch.tensor([0.25, 0.2, -0.3, 0.22])[:, None]  # Σ_t: +1024, +819, -1229, +901 nats
+        exps.append(
+            Experience(
+                action_mask=torch.ones(4, 4096, dtype=torch.bool),
+                rewards=torch.rand(4, generator=g),
+                kl=torch.zeros(4, 4096),
+                action_log_probs=mu + shift + 0.01 * torch.randn(4, 4096, generator=g),
+                rollout_log_probs=mu,
+                index=index,
+                info={"reward": None},
+            )
+        )
+    for exp in exps:
+        exp.info["reward"] = exp.rewards.clone()
+    norms = [torch.rand(4, generator=g) * 5 + 0.1 for _ in exps]
+    assert torch.isinf(torch.tensor(1024.0, dtype=torch.float64).exp())  # the product itself overflows float64
+    b, R = _expected_baselines(exps, norms, None, "seq_product")
+    args = _args("dr_grpo", None, "seq_product")
+    maker = _maker(args)
+    out, metrics = opob.replace_baseline(
+        maker, exps, lambda e: RemoteExperienceMaker.compute_advantages_and_returns(maker, e), norms
+    )
+    for exp in out:
+        for r, i in enumerate(exp.index):
+            m = exp.action_mask[r]
+            assert torch.isfinite(exp.advantages[r][m]).all()
+            assert exp.advantages[r][m][0].item() == pytest.approx(R[i] - b[i], abs=1e-5)
+    means = [sum(R[i] for i in range(k * N, (k + 1) * N)) / N for k in range(2)]
+    assert abs(b[0] - means[0]) > 1e-3  # the weights moved b* away from the mean: the check above could fail
 
 
 def test_equal_norms_and_weights_give_upstreams_advantages():

@@ -72,10 +72,11 @@ def parse_args(argv: Optional[List[str]] = None):
     """
     parser = build_parser()
     flat = parser.parse_args(argv)
+    recipe = config.apply_vcpo_recipe(flat, config.given_dests(parser, argv))
     config.validate_before_upstream(flat)
     args = upstream.finish_args(flat)
     decided = resolve_accelerator(args)
-    notices = [decided] + config.validate(args)
+    notices = [decided] + recipe + config.validate(args)
     return args, notices
 
 

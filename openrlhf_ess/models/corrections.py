@@ -122,22 +122,33 @@ def tis_weights(
 ) -> torch.Tensor:
     r"""Truncated importance weights on the train/inference discrepancy, detached: (B, T).
 
-    token: w_t = min(π_prox(a_t)/μ(a_t), C)
-    seq:   w_t = min(exp(mean_{t'} log(π_prox/μ)), C) for every token of the sequence (geometric mean)
+    token:        w_t = min(π_prox(a_t)/μ(a_t), C)
+    seq:          w_t = min(exp(mean_{t'} log(π_prox/μ)), C) for every token of the sequence (geometric mean)
+    seq_product:  w_t = min(exp(Σ_{t'} log(π_prox/μ)), C) for every token of the sequence (the trajectory's
+                  likelihood ratio π_prox(τ)/μ(τ), VCPO's ``rollout_is=sequence``; arXiv 2602.17616)
+
     Truncated IS: Ionides (2008); for LLM RL, Yao et al., "Your efficient RL framework secretly brings
-    you off-policy RL training" (2025). Masked positions get weight 0.
+    you off-policy RL training" (2025). The sums are taken in float64 and the exponent is bounded by log C
+    before ``exp``, so a 4,096-token product cannot overflow (it underflows to 0 for a very unlikely
+    trajectory, its true truncated value to float32 precision). Masked positions get weight 0.
     """
     if level not in TIS_LEVELS:
         raise ValueError(f"unknown TIS level {level!r}; expected one of {TIS_LEVELS}")
     mask = action_mask.to(torch.float32)
-    log_r = (prox_log_probs.float() - rollout_log_probs.float()).detach() * mask
-    if level == "seq":
-        log_r = (log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(mask)
+    if level == "seq_product":  # Σ_t of up to 4,096 terms: float64, bounded by log C before the cast
+        log_seq, _ = sequence_log_weights(prox_log_probs.detach(), rollout_log_probs.detach(), action_mask, level)
+        log_r = log_seq.clamp(max=math.log(cap)).float()[:, None].expand_as(mask)
+    else:
+        log_r = (prox_log_probs.float() - rollout_log_probs.float()).detach() * mask
+        if level == "seq":
+            log_r = (log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(mask)
     # log C bounds the exponent, so no overflow for any input
     return log_r.clamp(max=math.log(cap)).exp() * mask
 
 
-TIS_LEVELS = ("token", "seq")
+TIS_LEVELS = ("token", "seq", "seq_product")
+SEQUENCE_TIS_LEVELS = ("seq", "seq_product")  # one weight per sequence, applied to all its tokens
+TIS_DEFAULT_CAP = {"seq_product": 8.0}  # VCPO's rollout_is_threshold for the product; other levels need a cap
 
 
 def tis_truncated(weights: torch.Tensor, cap: float) -> torch.Tensor:
@@ -225,6 +236,7 @@ def kl_loss_k2(
         w      = min((π_θ/π_prox) · d, W),   W = 10                           (detached; decoupled weight)
         d      = min(π_prox(a_t)/μ(a_t), C)                                    (``tis_level="token"``)
         d_i    = min(exp(mean_t log(π_prox/μ)), C), every token of sequence i (``tis_level="seq"``)
+        d_i    = min(exp(Σ_t log(π_prox/μ)), C), every token of sequence i    (``tis_level="seq_product"``)
         out    = value + w · ½ x² − stopgrad(w · ½ x²)                         (straight-through)
 
     so ``out`` equals the chosen estimator and ∂out/∂log π_θ = w · x. Why: the reverse-KL gradient is
@@ -252,8 +264,8 @@ def kl_loss_k2(
         tis_cap: C > 0, or None: the uncapped π_prox/μ. Ignored without ``rollout_log_probs``.
         value_estimator: one of :data:`KL_VALUE_ESTIMATORS`, the forward value only.
         tis_level: one of :data:`TIS_LEVELS`, as ``--algo.tis_level``: per-token d (default) or the
-            sequence's geometric-mean d_i, which needs ``action_mask``.
-        action_mask: (B, T), 1 on response tokens; used only by ``tis_level="seq"`` (for the mean).
+            sequence's d_i (geometric mean or product), which needs ``action_mask``.
+        action_mask: (B, T), 1 on response tokens; used only by the sequence levels.
     Returns:
         (B, T) per-token loss in float32 (float64 if the inputs are), unmasked: the caller applies
         ``action_mask`` and the token/sequence mean.
@@ -268,8 +280,8 @@ def kl_loss_k2(
         raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
     if tis_level not in TIS_LEVELS:
         raise ValueError(f"unknown TIS level {tis_level!r}; expected one of {TIS_LEVELS}")
-    if tis_level == "seq" and rollout_log_probs is not None and action_mask is None:
-        raise ValueError("tis_level='seq' averages log(pi_prox/mu) over each sequence's response: pass action_mask")
+    if tis_level in SEQUENCE_TIS_LEVELS and rollout_log_probs is not None and action_mask is None:
+        raise ValueError(f"tis_level={tis_level!r} reduces log(pi_prox/mu) over each sequence: pass action_mask")
     # bf16 log-probs lose the small differences that KL is made of: compute in at least float32.
     dtype = torch.promote_types(log_probs.dtype, torch.float32)
     log_probs = log_probs.to(dtype)
@@ -289,11 +301,11 @@ def kl_loss_k2(
     log_prox = log_theta if prox_log_probs is None else prox_log_probs.to(dtype)
     log_w = log_theta - log_prox
     if rollout_log_probs is not None:
-        if tis_level == "seq":
+        if tis_level in SEQUENCE_TIS_LEVELS:
             # The policy loss's own per-sequence weight (float32). It is 0 off the response: take d = 1 there
             # rather than log 0 = −inf, which a +inf staleness term on a padding token would turn into NaN.
             cap = tis_cap if tis_cap is not None else math.inf
-            d = tis_weights(log_prox, rollout_log_probs, action_mask, cap, "seq").to(dtype)
+            d = tis_weights(log_prox, rollout_log_probs, action_mask, cap, tis_level).to(dtype)
             log_disc = torch.where(action_mask.bool(), d.log(), torch.zeros_like(d))
         else:
             log_disc = log_prox - rollout_log_probs.to(dtype)

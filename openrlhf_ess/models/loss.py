@@ -1,4 +1,4 @@
-"""Policy loss: upstream's ``PolicyLoss`` plus sequence-level truncated IS.
+"""Policy loss: upstream's ``PolicyLoss`` plus sequence-level truncated IS (geometric mean or product).
 
 Mirrors ``openrlhf/models/loss.py``. Token-level TIS needs no maths here: it is upstream's
 ``is_correction`` clip mode, configured from ``--algo.tis_cap`` (see ``openrlhf_ess/config.py``); our
@@ -26,9 +26,10 @@ class PolicyLoss(_UpstreamPolicyLoss):
         return ours
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, **kwargs):
-        """Overrides upstream's for sequence-level TIS, and at both TIS levels to check that μ is there.
+        """Overrides upstream's for sequence-level TIS, and at every TIS level to check that μ is there.
 
-        Decoupled PPO (shared/DESIGN.md §2) with w_i = min(exp(mean_t log(π_prox/μ)), C):
+        Decoupled PPO with w_i = min(exp(mean_t log(π_prox/μ)), C) (``seq``) or min(exp(Σ_t log(π_prox/μ)), C)
+        (``seq_product``, VCPO's trajectory ratio):
         L = −w_i · min(r_t A_t, clip(r_t, 1−ε_l, 1+ε_h) A_t), r_t = π_θ/π_prox. The clipped surrogate
         (dual clip included) is positively homogeneous in A, so for the detached w_i ≥ 0 this equals
         upstream's loss computed on advantages w_i · A_t. The fifth output is the fraction of sequences
@@ -43,9 +44,9 @@ class PolicyLoss(_UpstreamPolicyLoss):
                 "which asks them for log-probs, or an agent that drops them). Launch with openrlhf_ess.cli."
                 "train_ppo_ray and an agent that keeps the engine's log-probs, or remove --algo.tis_cap."
             )
-        if self.tis_level != "seq" or self.tis_cap is None:
+        if self.tis_level not in corrections.SEQUENCE_TIS_LEVELS or self.tis_cap is None:
             return super().forward(log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, **kwargs)
-        w = corrections.tis_weights(old_log_probs, rollout_log_probs, action_mask, self.tis_cap, "seq")
+        w = corrections.tis_weights(old_log_probs, rollout_log_probs, action_mask, self.tis_cap, self.tis_level)
         loss, clip_ratio, ppo_kl, _, _ = super().forward(
             log_probs, old_log_probs, advantages * w, action_mask, rollout_log_probs, **kwargs
         )

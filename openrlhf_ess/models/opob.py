@@ -61,6 +61,23 @@ def optimal_baseline(
     return b.expand_as(r).reshape(-1)
 
 
+def optimal_baseline_log(
+    rewards: torch.Tensor, log_weights: torch.Tensor, sq_norms: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    r""":func:`optimal_baseline` from log w_i: c_i = exp(2 log w_i + log ‖g_i‖² − max_G), so an untruncated
+    trajectory ratio exp(Σ_t log π/μ) over thousands of tokens (far past float64's exp range) gives the same b*
+    as its exact value would: b* depends on the c_i of a group only through their ratios. log w_i = −∞ is w_i = 0.
+    """
+    r = rewards.to(torch.float64).reshape(-1, group_size)
+    log_c = (2 * log_weights.to(torch.float64) + sq_norms.to(torch.float64).log()).reshape(-1, group_size)
+    top = log_c.amax(-1, keepdim=True)
+    c = torch.where(torch.isfinite(top), (log_c - top).exp(), torch.zeros_like(log_c))  # a group of all −∞: 0
+    total = c.sum(-1, keepdim=True)
+    weighted = (c * r).sum(-1, keepdim=True) / total.clamp(min=torch.finfo(torch.float64).tiny)
+    b = torch.where(total > 0, weighted, r.mean(-1, keepdim=True))
+    return b.expand_as(r).reshape(-1)
+
+
 def lm_head_sq_grad_norms(
     hidden: torch.Tensor,
     logits: torch.Tensor,

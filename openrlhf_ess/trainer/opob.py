@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from typing import Iterator, List, Optional
 
 import torch
@@ -64,18 +65,41 @@ def split_norms(per_actor: list, duplicate_factor: int):
     return stripped, norms
 
 
-def sequence_weights(exp, algo) -> torch.Tensor:
-    """(B,) the IS weight the run's estimator applies to each sample: w_i = min(exp(mean_t log π_prox/μ), C) with
-    ``--algo.tis_cap C`` (``--algo.ess_lr_weight`` form; exactly the sequence-level TIS weight, a sequence summary
-    of the token-level one); 1 without a TIS cap (the loss weights no sample: b* is then the on-policy optimal
-    baseline of the estimator actually used) or without μ."""
-    if exp.rollout_log_probs is None or algo.tis_cap is None:
-        return torch.ones(exp.action_mask.shape[0], dtype=torch.float64)
-    log_w, valid = corrections.sequence_log_weights(
-        exp.action_log_probs, exp.rollout_log_probs, exp.action_mask, algo.ess_lr_weight
-    )
-    w = torch.where(valid, log_w.exp(), torch.zeros_like(log_w))
-    return w.clamp(max=algo.tis_cap)
+def sequence_log_weights(exp, algo) -> torch.Tensor:
+    """(B,) float64 log of each sample's weight in b* (``--algo.advantage.opob_weight``):
+
+    - ``tis``: w_i = the weight the loss applies, a sequence summary of it at the token level: min(w_i, C) with
+      ``--algo.tis_cap C``, w_i = exp(Σ_t log π_prox/μ) at ``--algo.tis_level seq_product``, else the
+      ``--algo.ess_lr_weight`` form (geometric mean by default); 0 (w = 1) without a TIS cap (the loss weights no
+      sample: b* is then the optimal baseline of the estimator actually used) or without μ.
+    - ``seq_product``: as VCPO's reference code (``use_is_weights=True, use_clipped_is_ratios=False``): the
+      untruncated trajectory ratio exp(Σ_t log π_prox/μ) times the sequence weight d_i the loss applies
+      (``--algo.tis_level seq``/``seq_product``; 1 otherwise). The reference's ‖g_i‖ is the norm of trajectory i's
+      gradient of the IS-weighted loss, d_i·‖∇ log π(τ_i)‖, and its b* weighs that by the ratio² again; ours is the
+      unweighted norm, so d_i enters here.
+    - ``seq_product_truncated``: the same with the ratio truncated at C (``use_clipped_is_ratios=True``).
+
+    In log space: a product over thousands of tokens overflows float64's exp, while b* only needs the weights'
+    ratios within a group (:func:`opob.optimal_baseline_log`). A sample without a response token gets −inf (w = 0).
+    """
+    kind = algo.advantage.opob_weight
+    if exp.rollout_log_probs is None or (kind == "tis" and algo.tis_cap is None):
+        return torch.zeros(exp.action_mask.shape[0], dtype=torch.float64)
+    args = (exp.action_log_probs, exp.rollout_log_probs, exp.action_mask)
+    sequence_loss_weight = algo.tis_level in corrections.SEQUENCE_TIS_LEVELS and algo.tis_cap is not None
+    if kind == "tis":
+        form = "seq_product" if algo.tis_level == "seq_product" else algo.ess_lr_weight
+        log_w, valid = corrections.sequence_log_weights(*args, form)
+        log_w = log_w.clamp(max=math.log(algo.tis_cap))
+    else:
+        log_w, valid = corrections.sequence_log_weights(*args, "seq_product")
+        if kind == "seq_product_truncated":
+            log_w = log_w.clamp(max=math.log(algo.tis_cap))
+        if sequence_loss_weight:  # d_i, the loss's own weight of the sequence
+            form = "seq_product" if algo.tis_level == "seq_product" else "geo_mean"
+            log_d, _ = corrections.sequence_log_weights(*args, form)
+            log_w = log_w + log_d.clamp(max=math.log(algo.tis_cap))
+    return torch.where(valid, log_w, torch.full_like(log_w, -math.inf))
 
 
 def _in_prompt_order(experiences, per_exp: List[torch.Tensor]) -> torch.Tensor:
@@ -102,12 +126,13 @@ def replace_baseline(maker, experiences, upstream_compute, sq_norms: Optional[Li
             "--algo.advantage.baseline opob: the actor's forward returned no gradient norms for this batch "
             f"({0 if sq_norms is None else len(sq_norms)} of {len(experiences)} micro-batches); this is a bug."
         )
-    weights = _in_prompt_order(experiences, [sequence_weights(exp, algo) for exp in experiences])
+    log_weights = _in_prompt_order(experiences, [sequence_log_weights(exp, algo) for exp in experiences])
+    weights = log_weights.exp()  # for the metrics only: b* is computed from the logs
     norms = _in_prompt_order(experiences, sq_norms)
     estimator = algo.advantage.estimator
     if estimator == "reinforce_baseline":
         rewards = _in_prompt_order(experiences, [exp.rewards for exp in experiences])
-        b = opob.optimal_baseline(rewards, weights, norms, n)
+        b = opob.optimal_baseline_log(rewards, log_weights, norms, n)
         # upstream's length-penalty step copies exp.rewards into info["reward"] (the logged reward): both are put
         # back afterwards, so the shift reaches the advantages only
         raw = [(exp.rewards, exp.info.get("reward")) for exp in experiences]
@@ -133,7 +158,7 @@ def replace_baseline(maker, experiences, upstream_compute, sq_norms: Optional[Li
             b_up = rewards.mean(-1, keepdim=True).expand(-1, n)
         scale = 1.0 / (rewards.std(-1, keepdim=True) + 1e-9) if estimator == "group_norm" else None
         b_up, rewards = b_up.reshape(-1), rewards.reshape(-1)
-        b = opob.optimal_baseline(rewards, weights, norms, n)
+        b = opob.optimal_baseline_log(rewards, log_weights, norms, n)
         shift = opob.opob_shift(b_up, b, None if scale is None else scale.expand(-1, n).reshape(-1))
         for exp, s in zip(experiences, _back_to_experiences(experiences, shift)):
             delta = s.to(exp.advantages.dtype)[:, None] * exp.action_mask.to(exp.advantages.dtype)
