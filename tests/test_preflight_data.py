@@ -130,3 +130,20 @@ def test_a_partial_last_rollout_is_named_with_the_fix(tiny_world, tmp_path):
     assert "--data.max_samples 8" in partial[0]
     full = preflight.check(_args(tiny_world, tmp_path, ["--data.max_samples", "16"]))
     assert not [n for n in full if "leave a last rollout" in n]
+
+
+def test_an_eval_set_with_another_key_is_told_to_rename_it_not_to_change_the_flag(tiny_world, tmp_path):
+    """Upstream reads --eval.dataset with --data.input_key (it has no eval-specific key flag): changing the flag
+    would break the training set, so the fix for the eval set is to rename its key."""
+    for name, text in (("eval.jsonl", '{"question": "ab ="}\n'), ("eval.csv", "question\nab =\n")):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            preflight.check(_args(tiny_world, tmp_path, ["--eval.dataset", str(path)]))
+        message = str(info.value)
+        assert message.startswith(f"--eval.dataset {path}"), message
+        assert "rename the " in message.lower() and " to 'input' in the eval set (--data.input_key applies to " in (
+            message
+        ), message
+        assert "changing --data.input_key would break --data.prompt_dataset" in message
+        assert "set --data.input_key to" not in message

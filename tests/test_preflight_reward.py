@@ -67,3 +67,21 @@ def test_reward_values_training_can_use_pass(tiny_world, tmp_path, value):
     )
     notices = preflight.check(_args(tiny_world, tmp_path, ["--reward.remote_url", str(reward)]))
     assert "reward_func dry call returned 1 reward for 1 query" in notices[-1]
+
+
+def test_a_reward_function_that_exits_is_told_how_to_report_a_failure(tiny_world, tmp_path):
+    """sys.exit() in reward_func: the notice names SystemExit and says to raise an Exception instead (it did raise:
+    it is not told that it "must raise")."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("import sys\n\n\ndef reward_func(queries, prompts, labels):\n    sys.exit(3)\n")
+    notices = preflight.check(_args(tiny_world, tmp_path, ["--reward.remote_url", str(reward)]))
+    (notice,) = [n for n in notices if "dry call of reward_func" in n]
+    assert f"{reward} line 5: a dry call of reward_func on the first prompt with a made-up response raised " in notice
+    assert (
+        "raised SystemExit: 3. A reward function reports a failure by raising an Exception, not with sys.exit()"
+        in (notice)
+    )
+    assert notice.endswith(
+        "stops the run naming this file (--reward.failure_policy drop would drop the sample "
+        "instead): raise an Exception or return the dict."
+    ), notice

@@ -181,3 +181,43 @@ def test_count_problem_by_hand():
     assert count_problem({"scores": 1.0}, 1) == "returned a dict without 'rewards'"
     assert count_problem([0.5], 1) == "returned a list, not a dict with 'rewards'"
     assert count_problem({"rewards": "x"}, 1) == "returned a str as 'rewards' for 1 query"
+
+
+NAN_ON_2ND = (
+    "    global CALLS\n"
+    "    CALLS = globals().get('CALLS', 0) + 1\n"
+    "    value = float('nan') if CALLS == 2 else 0.5\n"
+    "    return {'rewards': torch.tensor([value]), 'scores': torch.tensor([value]), 'extra_logs': {}}\n"
+)
+
+
+@pytest.mark.parametrize("policy", ["off", "stop"])
+def test_a_nan_reward_stops_the_run_naming_the_file_and_the_sample(tmp_path, policy):
+    """A NaN reward in a default run (our executor serves every reward file): upstream would make the group's
+    advantages NaN and learn nothing from the step without a word; here the call is a failed reward, and the run
+    stops naming the file, the value, the prompt and its label."""
+    path = _reward_file(tmp_path, NAN_ON_2ND)
+    executor = agent.SingleTurnAgentExecutor(path, timeout_s=60, failure_policy=policy)
+    assert float(_execute(executor)[0]["reward"]) == 0.5  # the first call is finite: untouched
+    with pytest.raises(agent.RewardFunctionError) as info:
+        _execute(executor)
+    message = str(info.value)
+    assert message.startswith(f"reward_func of --reward.remote_url {path} returned a non-finite reward (nan)")
+    assert f"for prompt {PROMPT!r} (label '15')" in message and f"--reward.failure_policy {policy}" in message
+
+
+def test_a_nan_reward_under_drop_drops_the_sample(tmp_path):
+    path = _reward_file(tmp_path, "    return {'rewards': [float('inf')], 'scores': [1.0], 'extra_logs': {}}\n")
+    outputs = _execute(agent.SingleTurnAgentExecutor(path, timeout_s=60, failure_policy="drop"), n=2)
+    assert [o["reward"] for o in outputs] == [None, None]
+
+
+def test_nonfinite_problem_by_hand():
+    import numpy as np
+
+    from openrlhf_ess.utils.reward_values import nonfinite_problem
+
+    assert nonfinite_problem({"rewards": torch.tensor([1.0]), "scores": [0.5]}) is None
+    assert nonfinite_problem({"rewards": float("nan")}) == "returned a non-finite reward (nan)"
+    assert nonfinite_problem({"rewards": [0.5], "scores": np.array([np.inf])}) == "returned a non-finite score (inf)"
+    assert nonfinite_problem({"rewards": torch.tensor([-float("inf")])}) == "returned a non-finite reward (-inf)"

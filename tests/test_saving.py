@@ -1,5 +1,6 @@
-"""The trained model survives an unwritable or full output folder; a checkpoint write failure names its cause
-(openrlhf_ess/trainer/saving.py; issue 21, item 3; docs/faults.md §6).
+"""The trained model survives an unwritable or full output folder; every write failure of a save (each errno, bare or
+wrapped by torch or safetensors, torch's errno-less full-disk error, a real full tmpfs) names its cause, what is
+kept and the fix (openrlhf_ess/trainer/saving.py; docs/faults.md, sections 8 and 13).
 
 A real permission failure needs a user that permission bits apply to: as root (CI, containers) the write runs in a
 forked child that switched to ``nobody``; otherwise in-process. The CLI run with a failure injected at the final
@@ -7,6 +8,7 @@ save is in tests/test_outputs_e2e.py.
 """
 
 import errno
+import gc
 import inspect
 import os
 import pathlib
@@ -235,3 +237,192 @@ def test_upstream_saves_the_final_model_where_we_wrap_it():
     assert body[-1].strip() == "torch_dist_barrier_and_cuda_sync()"
     assert "save_pretrained(output_dir" in "\n".join(body)
     assert "save_model" in vars(PolicyModelActorImpl)
+
+
+# ---- every write failure of a save gets our message ----------------------------------------------------------------
+
+# What the message must say for each cause: the cause in the OS's words, and the fix (written out here, not taken
+# from the module).
+CAUSES = {
+    "ENOSPC": ("No space left on device", "Free space on that filesystem (or move --ckpt.path"),
+    "EDQUOT": ("Disk quota exceeded", "Free space within your disk quota there, or have it raised"),
+    "EROFS": ("Read-only file system", "The filesystem is mounted read-only: remount it read-write"),
+    "EIO": ("Input/output error", "The storage reported an I/O error: check it (dmesg"),
+    "EACCES": ("Permission denied", "Make the folder writable by the user the run is started as"),
+}
+TORCH_FULL_DISK = "[enforce fail at inline_container.cc:672] . unexpected pos 380480 vs 380368"
+
+
+def _torch_full_disk_error():
+    """torch.save's error on a full disk, as torch 2.13 raises it: no errno, its stream's error as the context."""
+    try:
+        try:
+            raise RuntimeError("basic_ios::clear: iostream error")
+        except RuntimeError:
+            raise RuntimeError(TORCH_FULL_DISK)
+    except RuntimeError as e:
+        return e
+
+
+def _assert_ours(ours, folder, ckpt, cause, fix):
+    assert isinstance(ours, saving.OutputWriteError), ours
+    message = str(ours)
+    assert message.startswith(
+        f"the checkpoint global_step2 could not be written to {folder} (--ckpt.path {ckpt}): {cause}"
+    ), message
+    assert f"the checkpoints written before are kept under {ckpt}/_actor (a resume skips the incomplete" in message
+    assert f"{fix}" in message and message.endswith(
+        "then run the same command with --ckpt.load_enable to continue from the last one."
+    ), message
+
+
+@pytest.mark.parametrize("name", sorted(CAUSES))
+@pytest.mark.parametrize("wrapped", ["bare", "cause", "context"])
+def test_every_write_errno_gets_our_message(tmp_path, name, wrapped):
+    """An OSError of each write errno, bare or wrapped in a RuntimeError (raised from it, or while handling it),
+    is named by its errno, not by its wording (the wrapper's text here says nothing of a write)."""
+    code = getattr(errno, name)
+    ckpt = tmp_path / "ckpt"
+    folder = ckpt / "_actor" / "global_step2"
+    os.makedirs(folder)
+    error = OSError(code, os.strerror(code), str(folder / "mp_rank_00_model_states.pt"))
+    if wrapped != "bare":
+        try:
+            try:
+                raise error
+            except OSError as inner:
+                if wrapped == "cause":
+                    raise RuntimeError("saving the engine states") from inner
+                raise RuntimeError("saving the engine states")
+        except RuntimeError as outer:
+            error = outer
+    cause, fix = CAUSES[name]
+    _assert_ours(saving.checkpoint_write_error(error, str(ckpt), "global_step2"), folder, ckpt, cause, fix)
+
+
+def _fake_statvfs(monkeypatch, under, free_blocks=0, flag=0):
+    """os.statvfs reporting ``free_blocks`` free 4 KiB blocks (and ``flag``) for paths under ``under``."""
+    real = os.statvfs
+
+    def statvfs(path):
+        st = real(path)
+        if not str(path).startswith(str(under)):
+            return st
+        return os.statvfs_result(
+            (4096, 4096, st.f_blocks, free_blocks, free_blocks, st.f_files, st.f_ffree, st.f_favail, flag, 255)
+        )
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+
+
+def test_torchs_full_disk_error_is_named_a_full_disk(tmp_path, monkeypatch):
+    """torch's inline_container error carries no errno: the target's filesystem, with 0 bytes free at the time of
+    the error, names it."""
+    ckpt = tmp_path / "ckpt"
+    folder = ckpt / "_actor" / "global_step2"
+    os.makedirs(folder)
+    _fake_statvfs(monkeypatch, tmp_path)
+    ours = saving.checkpoint_write_error(_torch_full_disk_error(), str(ckpt), "global_step2")
+    _assert_ours(ours, folder, ckpt, f"No space left on device (the filesystem of {folder} is full: 0.0 MB free)", "")
+    assert "Free space on that filesystem" in str(ours)
+    assert f"(the save reported: RuntimeError: {TORCH_FULL_DISK})" in str(ours)
+
+
+def test_torchs_error_on_a_read_only_filesystem_and_on_a_writable_one(tmp_path, monkeypatch):
+    """The same error where statvfs says read-only: named read-only; where the folder is writable and has room
+    (the cause went before it could be seen): still our message, with torch's words and the general fix."""
+    ckpt = tmp_path / "ckpt"
+    folder = ckpt / "_actor" / "global_step2"
+    os.makedirs(folder)
+    _fake_statvfs(monkeypatch, tmp_path, free_blocks=10**6)  # 3.8 GiB free, whatever this machine's /tmp has
+    plain = saving.checkpoint_write_error(_torch_full_disk_error(), str(ckpt), "global_step2")
+    _assert_ours(plain, folder, ckpt, f"RuntimeError: {TORCH_FULL_DISK}", "Make the folder writable (or free space)")
+    _fake_statvfs(monkeypatch, tmp_path, free_blocks=10**6, flag=os.ST_RDONLY)
+    ours = saving.checkpoint_write_error(_torch_full_disk_error(), str(ckpt), "global_step2")
+    _assert_ours(ours, folder, ckpt, "Read-only file system", "remount it read-write")
+
+
+def test_safetensors_errno_in_its_text_and_other_errors(tmp_path):
+    """safetensors' SafetensorError carries the errno in its text only; an error that is not a write failure is
+    left alone."""
+    from safetensors import SafetensorError
+
+    ckpt = tmp_path / "ckpt"
+    folder = ckpt / "_actor" / "global_step2"
+    os.makedirs(folder)
+    error = SafetensorError("Error while serializing: I/O error: Disk quota exceeded (os error 122)")
+    ours = saving.checkpoint_write_error(error, str(ckpt), "global_step2")
+    _assert_ours(ours, folder, ckpt, *CAUSES["EDQUOT"])
+    assert saving.checkpoint_write_error(RuntimeError("CUDA error: an illegal memory access"), str(ckpt), "x") is None
+    assert saving.checkpoint_write_error(KeyError("model"), str(ckpt), "x") is None
+
+
+def test_a_final_save_failing_in_torchs_words_on_a_full_disk_goes_to_the_fallback(tmp_path, monkeypatch):
+    """The final save: torch's errno-less error is a write failure too (the model goes to the fallback), named a
+    full disk."""
+    target, fallback = tmp_path / "out", tmp_path / "fallback"
+    os.makedirs(target)
+    _fake_statvfs(monkeypatch, target)
+
+    def save(folder):
+        if folder.startswith(str(target)):
+            raise _torch_full_disk_error()
+        _fake_save(folder)
+
+    kwargs, calls = _one_rank(fallbacks=[str(fallback)])
+    with pytest.raises(saving.OutputWriteError) as info:
+        saving.save_final_model(save, str(target), **kwargs)
+    assert f"could not be written to --ckpt.output_dir {target} (No space left on device (the filesystem of " in str(
+        info.value
+    )
+    assert f"it was written to {fallback} instead" in str(info.value) and calls["barrier"] == 1
+
+
+@pytest.fixture
+def tiny_filesystem():
+    """A 512 KiB tmpfs (root only); skipped where it cannot be mounted, always unmounted."""
+    import subprocess
+
+    folder = tempfile.mkdtemp(prefix="ess_tmpfs_", dir="/tmp")
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", folder], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        os.rmdir(folder)
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield pathlib.Path(folder)
+    finally:
+        gc.collect()  # a failed save's file, still open from a traceback, keeps the filesystem busy
+        if subprocess.run(["umount", folder], check=False).returncode != 0:
+            subprocess.run(["umount", "--lazy", folder], check=False)  # detached now, freed once its files close
+        os.rmdir(folder)
+
+
+def test_a_real_full_disk_gets_our_message(tiny_filesystem, tmp_path):
+    """torch.save of 1.2 MB into a 512 KiB filesystem: torch's bare inline_container error becomes ours, named a
+    full disk; safetensors' write of the final model there sends it to the fallback, named a full disk."""
+    import torch
+    from safetensors.torch import save_file
+
+    ckpt = tiny_filesystem / "ckpt"
+    folder = ckpt / "_actor" / "global_step2"
+    os.makedirs(folder)
+    big = torch.zeros(300_000)
+    with pytest.raises(RuntimeError) as raised:
+        torch.save({"w": big}, str(folder / "mp_rank_00_model_states.pt"))
+    assert "inline_container.cc" in str(raised.value)  # torch's own words: no errno
+    ours = saving.checkpoint_write_error(raised.value, str(ckpt), "global_step2")
+    _assert_ours(ours, folder, ckpt, "No space left on device", CAUSES["ENOSPC"][1])
+
+    del raised, ours  # torch's partial file stays open (and full) while its traceback lives
+    gc.collect()
+    os.remove(folder / "mp_rank_00_model_states.pt")
+    target, fallback = tiny_filesystem / "out", tmp_path / "fallback"
+    kwargs, _ = _one_rank(fallbacks=[str(fallback)])
+    with pytest.raises(saving.OutputWriteError) as info:
+        saving.save_final_model(
+            lambda place: save_file({"w": big}, os.path.join(place, "model.safetensors")), str(target), **kwargs
+        )
+    assert f"could not be written to --ckpt.output_dir {target} (No space left on device" in str(info.value)
+    assert os.listdir(fallback) == ["model.safetensors"] and os.listdir(target) == []

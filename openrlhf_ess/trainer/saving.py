@@ -1,4 +1,5 @@
-"""The trained model survives an unwritable or full output folder (issue 21, item 3; docs/faults.md §6).
+"""The trained model survives an unwritable or full output folder; a save that cannot write says why (docs/faults.md,
+sections 8 and 13).
 
 Upstream's ``train()`` saves the final model once, after ``fit()``, with ``PolicyModelActor.save_model`` ->
 ``DeepspeedStrategy.save_model(model, tokenizer, --ckpt.output_dir)``: every rank gathers the weights (a collective
@@ -17,8 +18,14 @@ with a bare ``PermissionError``. :func:`save_final_model` keeps upstream's save 
 The ranks agree after each attempt (an all-reduce of "it failed anywhere"), so a failure on rank 0 never leaves the
 other ranks waiting in a collective: rank 0 catches its own write error and joins the barrier upstream's save
 would have reached. Checkpoints (``--ckpt.save_steps``) are not redirected (a checkpoint elsewhere could not be
-resumed from): a write failure there names its real cause (:func:`checkpoint_write_error`; torch reports a file it
-cannot open as "Parent directory ... does not exist" or "open file failed") and stops the run.
+resumed from): a write failure there names its real cause (:func:`checkpoint_write_error`) and stops the run.
+
+What a write failure is, and its cause (:func:`write_failure`), in this order: an ``OSError`` anywhere in the
+exception's chain (``__cause__`` / ``__context__``) gives its errno; an errno the wrapper's text carries
+(safetensors: "os error 28", torch: "strerror: Permission denied"); for torch's own writer, whose
+``[enforce fail at inline_container.cc] unexpected pos N vs M`` carries none (a full disk, behind
+``basic_ios::clear: iostream error``), the target folder's filesystem at the time of the error: read-only, full
+(``os.statvfs``) or refusing a probe write; the wording of other write errors only as a last resort.
 """
 
 from __future__ import annotations
@@ -39,12 +46,36 @@ FAULT_ENV = "OPENRLHF_ESS_FAULT_FINAL_SAVE"
 _WEIGHTS = re.compile(
     r"^(?:model|pytorch_model|adapter_model)(?:-\d+-of-\d+)?\.(?:safetensors|bin)(?:\.index\.json)?$"
 )
-# How torch, DeepSpeed and the OS word a file that cannot be written.
-_WRITE_ERROR = re.compile(
-    r"Parent directory .* does not exist|open file failed|file write failed|write failed|No space left|"
-    r"Permission denied|Read-only file system|Disk quota exceeded|Operation not permitted",
+# The writers that wrap an OS write error without its errno: torch's zip writer (inline_container.cc, its
+# PytorchStreamWriter, the C++ stream behind it) and safetensors (SafetensorError "Error while serializing").
+_WRAPPED_WRITE = re.compile(
+    r"inline_container\.cc|PytorchStreamWriter|iostream error|Error while serializing|"
+    r"Parent directory .* does not exist|open file failed|file write failed",
     re.I,
 )
+# An errno in a wrapper's text: safetensors' "(os error 28)" / "code: 28", torch's "errno 13", Python's "[Errno 28]".
+_ERRNO_IN_TEXT = re.compile(r"os error (\d+)|code: (\d+)|errno:? ?(\d+)|\[Errno (\d+)\]", re.I)
+# The strerror texts of the write errors, as torch words them ("... failed with strerror: Permission denied").
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EFBIG)
+# Last resort: how other writers and the OS word a file that cannot be written.
+_WRITE_ERROR = re.compile(
+    r"write failed|No space left|Permission denied|Read-only file system|Disk quota exceeded|"
+    r"Operation not permitted|Input/output error",
+    re.I,
+)
+# Below this much free space (or no free inode) the filesystem is full for a save that failed without an errno.
+FULL_BELOW_BYTES = 16 * 2**20
+# What the user can do, by cause.
+FIXES = {
+    errno.ENOSPC: "Free space on that filesystem (or move --ckpt.path, with its checkpoints, to a larger one)",
+    errno.EDQUOT: "Free space within your disk quota there, or have it raised",
+    errno.EROFS: "The filesystem is mounted read-only: remount it read-write (or move --ckpt.path, with its "
+    "checkpoints, to a writable one)",
+    errno.EIO: "The storage reported an I/O error: check it (dmesg, the device's or the network filesystem's "
+    "health) before writing to it again",
+    errno.EACCES: "Make the folder writable by the user the run is started as",
+    errno.EPERM: "Make the folder writable by the user the run is started as",
+}
 
 
 class OutputWriteError(RuntimeError):
@@ -56,6 +87,7 @@ class OutputWriteError(RuntimeError):
 
 
 def describe_os_error(e: BaseException) -> str:
+    """``strerror: filename`` of an OSError, else ``Type: first line``."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}{': ' + str(e.filename) if e.filename else ''}"
     text = str(e).strip().splitlines()
@@ -73,10 +105,9 @@ def free_space(folder: str) -> str:
     return f"{stat.f_bavail * stat.f_frsize / 2**20:.0f} MB free there"
 
 
-def write_problem(folder: str, create: bool = True) -> Optional[str]:
-    """Why a file cannot be written in ``folder``, found by writing and removing one; None if it can. ``create``:
-    make the folder first; else probe its nearest existing ancestor (changing nothing). As root, permission bits
-    never refuse a write: the probe is the only reliable test."""
+def _probe(folder: str, create: bool = True) -> Optional[OSError]:
+    """The OSError that writing (and removing) one file in ``folder`` raises, or None. ``create``: make the folder
+    first; else probe its nearest existing ancestor (changing nothing)."""
     while not create and folder and not os.path.isdir(folder):
         folder = os.path.dirname(folder)
     try:
@@ -89,7 +120,92 @@ def write_problem(folder: str, create: bool = True) -> Optional[str]:
             os.close(fd)
             os.remove(probe)
     except OSError as e:
-        return describe_os_error(e)
+        return e
+    return None
+
+
+def write_problem(folder: str, create: bool = True) -> Optional[str]:
+    """Why a file cannot be written in ``folder``, found by writing and removing one; None if it can. ``create``:
+    make the folder first; else probe its nearest existing ancestor (changing nothing). As root, permission bits
+    never refuse a write: the probe is the only reliable test."""
+    error = _probe(folder, create)
+    return describe_os_error(error) if error is not None else None
+
+
+def _chain(e: BaseException):
+    """``e`` and the exceptions it was raised from or during (``__cause__``, ``__context__``), each once."""
+    seen, todo = set(), [e]
+    while todo:
+        exc = todo.pop(0)
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        yield exc
+        todo += [exc.__cause__, exc.__context__]
+
+
+def filesystem_problem(folder: str) -> Optional[Tuple[int, str]]:
+    """(errno, what) when the filesystem of ``folder`` (its nearest existing ancestor) cannot take a file now:
+    mounted read-only, or full (less than :data:`FULL_BELOW_BYTES` free for this user, or no free inode), read with
+    ``os.statvfs``; None when it looks writable or cannot be read."""
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        stat = os.statvfs(folder or ".")
+    except OSError:
+        return None
+    if stat.f_flag & os.ST_RDONLY:
+        return errno.EROFS, f"{os.strerror(errno.EROFS)} (the filesystem of {folder} is mounted read-only)"
+    free = stat.f_bavail * stat.f_frsize
+    if free < FULL_BELOW_BYTES or (stat.f_files and stat.f_favail == 0):
+        what = f"{free / 2**20:.1f} MB free" if free < FULL_BELOW_BYTES else "no free inode"
+        return errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (the filesystem of {folder} is full: {what})"
+    return None
+
+
+def _errno_in_text(text: str) -> Optional[int]:
+    """The errno a wrapper's message carries, as a number or as its strerror text, or None."""
+    match = _ERRNO_IN_TEXT.search(text)
+    if match:
+        code = int(next(g for g in match.groups() if g))
+        if code in errno.errorcode:
+            return code
+    for code in _WRITE_ERRNOS:
+        if os.strerror(code).lower() in text.lower():
+            return code
+    return None
+
+
+def write_failure(e: BaseException, folder: str) -> Optional[Tuple[Optional[int], str]]:
+    """(errno or None, the cause in words) when ``e`` is a failure to write a file into ``folder``; None for any
+    other error.
+
+    In this order: an OSError in the exception's chain (its errno and strerror); an errno in a wrapper's text
+    (safetensors, torch); for a wrapper without one (torch's ``inline_container.cc`` "unexpected pos" on a full
+    disk), the filesystem of ``folder`` now (read-only or full by ``os.statvfs``, then a probe write); the wording
+    of the error only as a last resort. A failure named by its errno is still probed, so a reason torch's words
+    hide (a folder it cannot see into reported as "Parent directory ... does not exist") is named."""
+    chain = list(_chain(e))
+    for exc in chain:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc.errno, describe_os_error(exc)
+    text = " ".join(str(exc) for exc in chain)
+    if _WRAPPED_WRITE.search(text) or type(e).__name__ == "SafetensorError":
+        code = _errno_in_text(text)
+        if code is not None:
+            return code, os.strerror(code)
+        found = filesystem_problem(folder)
+        if found is not None:
+            return found
+        probed = _probe(folder, create=False)
+        if probed is not None:
+            return probed.errno, describe_os_error(probed)
+        return None, describe_os_error(e)
+    if isinstance(e, OSError) or _WRITE_ERROR.search(text):
+        probed = _probe(folder, create=False)
+        if probed is not None:
+            return probed.errno, describe_os_error(probed)
+        return _errno_in_text(text), describe_os_error(e)
     return None
 
 
@@ -151,14 +267,17 @@ def save_final_model(
         problem = _prepare(place) if rank0 else None
         if not agree(problem is None):
             tried.append((place, problem or "failed on rank 0"))
+            if rank0:
+                shutil.rmtree(place, ignore_errors=True)  # made by the probe: ours, and empty
             continue
         try:
             with fault() if place == staging and rank0 else contextlib.nullcontext():
                 save(place)
-        except (OSError, RuntimeError) as e:
-            if not rank0 or (not isinstance(e, OSError) and not _WRITE_ERROR.search(str(e))):
+        except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError
+            found = write_failure(e, place) if rank0 else None
+            if found is None:
                 raise
-            problem = describe_os_error(e)
+            problem = found[1]
             barrier()  # the other ranks wait in the barrier that ends upstream's save_model
         if not agree(problem is None):
             tried.append((place, problem or "failed on rank 0"))
@@ -180,7 +299,8 @@ def save_final_model(
             first = tried[0][1] if tried else "?"
             raise OutputWriteError(
                 f"the trained model could not be written to --ckpt.output_dir {target} ({first}"
-                f"{'; ' + free_space(target) if 'space' in first.lower() else ''}); it was written to {place} "
+                f"{'; ' + free_space(target) if 'space' in first.lower() and 'free' not in first else ''}); it was "
+                f"written to {place} "
                 "instead (a Hugging Face model folder, on the machine of the policy's rank 0). Move it where it "
                 "belongs, e.g. `mv "
                 f"{place}/* {target}/` once that folder is writable. The checkpoints, if any, are under --ckpt.path."
@@ -217,25 +337,27 @@ def injected_fault(model):
 
 
 def checkpoint_write_error(e: BaseException, ckpt_path: str, tag: str) -> Optional[OutputWriteError]:
-    """Our error for a checkpoint save that failed to write, naming the real cause; None for another failure.
-
-    torch words a file it cannot open as "Parent directory <d> does not exist" (when it cannot see into the
-    folder) or "open file failed" (when it cannot create the file), whatever the reason; the folder is probed to
-    say which (permission, read-only, full)."""
-    if not isinstance(e, OSError) and not _WRITE_ERROR.search(str(e)):
-        return None
+    """Our error for a checkpoint save that failed to write, naming the folder, the cause (:func:`write_failure`),
+    what is kept and the fix for that cause; None for another failure."""
     folder = os.path.join(ckpt_path, "_actor", tag)
-    if isinstance(e, OSError) and e.filename:
-        folder = os.path.dirname(str(e.filename)) if not os.path.isdir(str(e.filename)) else str(e.filename)
-    cause = write_problem(folder, create=False) or describe_os_error(e)
-    space = free_space(folder)
+    for exc in _chain(e):
+        name = getattr(exc, "filename", None) if isinstance(exc, OSError) else None
+        if name:
+            folder = str(name) if os.path.isdir(str(name)) else os.path.dirname(str(name))
+            break
+    found = write_failure(e, folder)
+    if found is None:
+        return None
+    code, cause = found
+    space = free_space(folder) if "free" not in cause else ""
     reported = describe_os_error(e)
+    fix = FIXES.get(code, "Make the folder writable (or free space)")
     return OutputWriteError(
         f"the checkpoint {tag} could not be written to {folder} (--ckpt.path {ckpt_path}): {cause}"
         f"{'; ' + space if space else ''}"
         f"{' (the save reported: ' + reported + ')' if reported != cause else ''}. The run stops here; the "
-        f"checkpoints written before are kept under {os.path.join(ckpt_path, '_actor')}. Make the folder writable "
-        "(or free space), then run the same command with --ckpt.load_enable to continue from the last one."
+        f"checkpoints written before are kept under {os.path.join(ckpt_path, '_actor')} (a resume skips the "
+        f"incomplete {tag}). {fix}, then run the same command with --ckpt.load_enable to continue from the last one."
     )
 
 

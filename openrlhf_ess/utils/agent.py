@@ -28,7 +28,7 @@ from typing import Any, List, Optional
 
 from openrlhf.utils.agent import SingleTurnAgentExecutor as _UpstreamSingleTurnAgentExecutor
 
-from openrlhf_ess.utils.reward_values import count_problem
+from openrlhf_ess.utils.reward_values import count_problem, nonfinite_problem
 
 logger = logging.getLogger(__name__)
 
@@ -124,13 +124,20 @@ class SingleTurnAgentExecutor(_UpstreamSingleTurnAgentExecutor):
                 f"prompt {prompts[0][:80]!r}); it must return {{'rewards': ...}} with exactly one number per query "
                 "on every call (upstream calls it with one query at a time)."
             )
+        problem = None if isinstance(result, _Raised) else nonfinite_problem(result)
+        if problem:  # upstream would make the group's advantages NaN and learn nothing from the step, silently
+            return self._failed(
+                f"reward_func of --reward.remote_url {self.reward_path} {problem} for prompt {prompts[0][:80]!r} "
+                f"(label {labels[0]!r}); a NaN reward makes its group's advantages NaN and the step learns nothing "
+                "from them (a 0/0, a log of 0, a failed parse in the function?)."
+            )
         if isinstance(result, _Raised):
             where = f" line {result.line}" if result.line and result.filename == self.reward_path else ""
             return self._failed(
                 f"reward_func of --reward.remote_url {self.reward_path}{where} raised {result.kind}"
                 f"{': ' + result.text if result.text else ''} for prompt {prompts[0][:80]!r}; a reward function "
-                "must return its dict or raise an Exception (sys.exit() and other BaseExceptions would kill the "
-                "engine's event loop)."
+                "reports a failure by raising an Exception, not with sys.exit() or another BaseException (they "
+                "would kill the engine's event loop)."
             )
         return result
 

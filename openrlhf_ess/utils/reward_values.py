@@ -39,3 +39,25 @@ def count_problem(out: Any, n_queries: int) -> Optional[str]:
                 got = f"{count} values" if count is not None else f"a {kind}"
                 return f"returned {got} as '{key}' for {n_queries} quer{'y' if n_queries == 1 else 'ies'}"
     return None
+
+
+def nonfinite_problem(out: dict) -> Optional[str]:
+    """Why a well-counted return (:func:`count_problem` is None) holds a NaN or infinite reward, or None."""
+    import math
+
+    for key in ("rewards", "scores"):
+        value = out.get(key)
+        if value is None:
+            continue
+        if hasattr(value, "detach"):  # torch tensor
+            values = value.detach().float().reshape(-1).tolist()
+        elif hasattr(value, "tolist"):  # numpy
+            values = list(value.reshape(-1).tolist()) if hasattr(value, "reshape") else [value.tolist()]
+        elif isinstance(value, (list, tuple)):
+            values = list(value)
+        else:
+            values = [value]
+        bad = [v for v in values if isinstance(v, (int, float)) and not math.isfinite(v)]
+        if bad:
+            return f"returned a non-finite {key[:-1]} ({bad[0]})"
+    return None

@@ -56,6 +56,17 @@ class _Records:
         self.count = 0
         self.first: Optional[dict] = None
 
+    def eval_fix(self, key: str, flag: str, what: str) -> Optional[str]:
+        """For --eval.dataset: the fix that keeps the training set working, or None for the training set. Upstream
+        reads the eval set with the training set's keys (it has no --eval.input_key), so changing the flag would
+        break --data.prompt_dataset."""
+        if self.flag != "--eval.dataset":
+            return None
+        return (
+            f"rename the {what} to {key!r} in the eval set ({flag} applies to --eval.dataset too, and upstream has "
+            f"no key flag of its own for the eval set: changing {flag} would break --data.prompt_dataset)"
+        )
+
     def where(self, where: str = "") -> str:
         return f"{self.flag} {self.path}{' ' + where if where else ''}"
 
@@ -77,7 +88,8 @@ class _Records:
             if key is not None and key not in record:
                 keys = ", ".join(repr(k) for k in list(record)[:8]) or "none"
                 raise ConfigError(
-                    f"{self.where(where)}: no key {key!r} ({flag}); its keys: {keys}. Add it to that record, or {fix}."
+                    f"{self.where(where)}: no key {key!r} ({flag}); its keys: {keys}. Add it to that record, or "
+                    f"{self.eval_fix(key, flag, 'key') or fix}."
                 )
         self.value(where, record[self.input_key], record)
 
@@ -110,9 +122,10 @@ class _Records:
         for key, flag in ((self.input_key, "--data.input_key"), (self.label_key, "--data.label_key")):
             if key is not None and key not in names:
                 shown = ", ".join(repr(n) for n in names[:12]) or "none"
+                fix = self.eval_fix(key, flag, what) or f"rename the {what}, or set {flag} to the {what} that holds it"
                 raise ConfigError(
-                    f"{self.where(where)}: no {what} {key!r} ({flag}); its {what}s: {shown}. Rename the {what}, or "
-                    f"set {flag} to the {what} that holds it."
+                    f"{self.where(where)}: no {what} {key!r} ({flag}); its {what}s: {shown}. "
+                    f"{fix[0].upper()}{fix[1:]}."
                 )
 
     def empty(self, why: str) -> ConfigError:

@@ -1,11 +1,13 @@
 """Pre-flight, models and tokenizer: model folders (config.json, weights, the tokenizer upstream loads) or hub ids
 (cache, HF_HUB_OFFLINE), with no network access attempted; ``--data.max_len`` within the context vLLM accepts for the
-model; --algo.routing_replay's model family; ``--rollout.top_k`` below the vocabulary."""
+model; --algo.routing_replay's model family; ``--rollout.top_k`` below the vocabulary; every token id of the tokenizer
+within the model's vocabulary (config.json's ``vocab_size`` and the embedding's rows)."""
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 import types
 from typing import List, Optional, Tuple
 
@@ -67,17 +69,35 @@ def _check_models(args: types.SimpleNamespace, notices: List[str]):
     reward = args.reward.model_name_or_path
     if not args.reward.remote_url and reward:  # upstream loads a reward model only without a remote reward
         _check_model("--reward.model_name_or_path", reward, args, notices, load_tokenizer=False)
+        _check_fed_actor_ids("--reward.model_name_or_path", reward, actor, tokenizer)
         checked.add(reward)
     critic = args.critic.model_name_or_path  # upstream set it (gae only) to the reward or actor model by default
     if critic and critic not in checked:
         _check_model("--critic.model_name_or_path", critic, args, notices, load_tokenizer=True)
+        _check_fed_actor_ids("--critic.model_name_or_path", critic, actor, tokenizer)
     return tokenizer
+
+
+def _check_fed_actor_ids(flag: str, path: str, actor: str, tokenizer) -> None:
+    """The reward model and the critic score the policy's sequences, token ids of the actor's tokenizer: their
+    vocabulary must cover those ids too."""
+    folder = _model_folder(path) if tokenizer is not None else None
+    if folder is None:
+        return
+    cfg = model_config(folder) or {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    n_ids = tokenizer_ids(tokenizer)[0]
+    vocab_size = cfg.get("vocab_size") or text.get("vocab_size")
+    fed_by = f"--actor.model_name_or_path {actor}"
+    problem = vocab_problem(flag, path, vocab_size, embedding_rows(folder), n_ids, fed_by=fed_by)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_model(flag: str, path: str, args, notices: List[str], load_tokenizer: bool):
     if os.path.isdir(path):
         _check_model_dir(flag, path, path)
-        return _load_tokenizer(flag, path, args) if load_tokenizer else None
+        return _checked_tokenizer(flag, path, path, args) if load_tokenizer else None
     if os.path.exists(path):
         raise ConfigError(
             f"{flag} {path}: is a file; pass a Hugging Face model folder (config.json, weights, tokenizer) or a hub "
@@ -120,7 +140,14 @@ def _check_model(flag: str, path: str, args, notices: List[str], load_tokenizer:
         )
         return None
     _check_model_dir(flag, path, os.path.dirname(cached))  # the cached snapshot: all the run will have offline
-    return _load_tokenizer(flag, path, args) if load_tokenizer else None
+    return _checked_tokenizer(flag, path, os.path.dirname(cached), args) if load_tokenizer else None
+
+
+def _checked_tokenizer(flag: str, path: str, folder: str, args):
+    """The model's tokenizer as upstream loads it, its ids checked against the model's vocabulary."""
+    tokenizer = _load_tokenizer(flag, path, args)
+    _check_vocab(flag, path, folder, tokenizer)
+    return tokenizer
 
 
 def _cluster_path_rule(args) -> str:
@@ -174,6 +201,113 @@ def _load_tokenizer(flag: str, path: str, args):
             "files (tokenizer.json, tokenizer_config.json, vocab files). Copy them from the base model."
         )
     return tokenizer
+
+
+# Names of the input embedding / output head weights whose first dimension is the vocabulary (HF checkpoints).
+_EMBEDDING_NAMES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight", "lm_head.weight")
+
+
+def tokenizer_ids(tokenizer) -> Tuple[int, Optional[str], Optional[int], Optional[str]]:
+    """(the number of ids the tokenizer can produce: its largest id + 1, at least ``len(tokenizer)``; its pad token;
+    the pad token's id; its eos token) as upstream loads it.
+
+    Upstream (``openrlhf.utils.utils.get_tokenizer``) adds no token itself: a tokenizer without a pad token pads with
+    its eos token. But transformers adds a pad token the vocabulary lacks at id ``len(vocabulary)``, one past what
+    the model was built for: the one tokenizer_config.json names, or, when it names none, the default of the
+    tokenizer class it picks for the model (Qwen2's: '<|endoftext|>')."""
+    inner = getattr(tokenizer, "tokenizer", tokenizer)  # a VLM's processor wraps the tokenizer
+    size = len(inner)
+    try:
+        size = max(size, max(inner.get_vocab().values()) + 1)
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        pass
+    pad_id = getattr(inner, "pad_token_id", None)
+    pad_id = pad_id if isinstance(pad_id, int) else None
+    return size, getattr(inner, "pad_token", None), pad_id, getattr(inner, "eos_token", None)
+
+
+def embedding_rows(folder: str) -> Optional[Tuple[int, str]]:
+    """(the vocabulary rows of the model's embedding or output head, the weight's name) read from the safetensors
+    headers in ``folder`` without loading any weight (the smallest if they differ); None if not found there
+    (.bin weights, unknown names)."""
+    files = sorted(name for name in os.listdir(folder) if name.endswith(".safetensors"))
+    found = []
+    for name in files:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > 100 * 2**20:  # not a safetensors header
+                    continue
+                header = json.loads(f.read(length))
+        except (OSError, ValueError, struct.error):
+            continue
+        for key, meta in header.items():
+            shape = meta.get("shape") if isinstance(meta, dict) else None
+            if key.endswith(_EMBEDDING_NAMES) and isinstance(shape, list) and len(shape) == 2:
+                found.append((int(shape[0]), key))
+    return min(found) if found else None
+
+
+def vocab_problem(
+    flag: str,
+    path: str,
+    vocab_size,
+    embedding,
+    n_ids: int,
+    pad: Optional[str] = None,
+    pad_id: Optional[int] = None,
+    eos: Optional[str] = None,
+    fed_by: Optional[str] = None,
+) -> Optional[str]:
+    """The one-line error for a tokenizer whose ids reach past the model's vocabulary, or None.
+
+    ``vocab_size``: config.json's (None if absent); ``embedding``: (rows, weight name) or None; ``n_ids``: the
+    tokenizer's largest id + 1; ``pad``, ``pad_id``: its pad token (named when it is the one id too many); ``eos``:
+    its eos token (the pad to suggest); ``fed_by``: the flag and path of the model whose tokenizer it is, when not
+    the model's own (the reward model and the critic score the policy's token ids). Fewer tokens than the model's
+    vocabulary is normal (vocabularies are padded to a multiple of 64 or 128)."""
+    limits = []
+    if isinstance(vocab_size, int) and vocab_size > 0:
+        limits.append((vocab_size, "vocab_size in its config.json"))
+    if embedding is not None:
+        limits.append((embedding[0], f"rows of its weight {embedding[1]}"))
+    if not limits:
+        return None
+    limit, where = min(limits, key=lambda limit: limit[0])  # config.json first on a tie
+    if n_ids <= limit:
+        return None
+    whose = f"the policy's tokenizer ({fed_by}), whose ids it scores," if fed_by else "the tokenizer"
+    head = f"{flag} {path}: {whose} has {n_ids} token ids but the model has {limit} ({where})"
+    if fed_by is None and pad_id is not None and pad_id == limit == n_ids - 1:  # the pad token alone lies past
+        return (
+            f"{head}: its pad token {pad!r} is not in the vocabulary, so transformers added it at id {pad_id}, past "
+            "the model's embedding (the first forward over a padded batch ends in IndexError; transformers adds the "
+            "pad token tokenizer_config.json names, or, if it names none, its tokenizer class's default). Set "
+            f'"pad_token" in the folder\'s tokenizer_config.json to a token of the vocabulary'
+            f"{f', e.g. its eos token {eos!r}' if eos else ''}."
+        )
+    fix = (
+        "Pass a model built on the policy's tokenizer"
+        if fed_by
+        else "Pass the tokenizer the model was trained with, or a model whose vocabulary covers "
+        f"{n_ids} tokens (resize_token_embeddings, then save_pretrained)"
+    )
+    return (
+        f"{head}, so ids from {limit} on reach past the model's embedding (vLLM and the forward end in "
+        f"IndexError). {fix}."
+    )
+
+
+def _check_vocab(flag: str, path: str, folder: str, tokenizer) -> None:
+    """Refuse a tokenizer whose ids reach past the model's vocabulary (``vocab_problem``), read from config.json
+    and the safetensors headers, before any process starts."""
+    cfg = model_config(folder) or {}
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    vocab_size = cfg.get("vocab_size") or text.get("vocab_size")
+    n_ids, pad, pad_id, eos = tokenizer_ids(tokenizer)
+    problem = vocab_problem(flag, path, vocab_size, embedding_rows(folder), n_ids, pad, pad_id, eos)
+    if problem:
+        raise ConfigError(problem)
 
 
 # vLLM's keys for a model's context length (transformers_utils/model_arch_config_convertor.py:

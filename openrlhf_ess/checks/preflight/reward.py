@@ -242,6 +242,19 @@ def _reward_verdict(flag, path, args, report, notices: List[str]) -> Optional[st
         )
     policy = args.reward.failure_policy
     if stage == "raised":
+        if detail.split(":")[0] in ("SystemExit", "KeyboardInterrupt", "GeneratorExit"):  # not an Exception
+            notices.append(
+                f"{flag} {path}{where}: a dry call of reward_func on the first prompt with a made-up response raised "
+                f"{detail}. A reward function reports a failure by raising an Exception, not with sys.exit() or "
+                "another BaseException (upstream's engine loop would die of it); during the run such a call is a "
+                + (
+                    "failed reward, which stops the run naming this file (--reward.failure_policy drop would drop "
+                    "the sample instead): raise an Exception or return the dict."
+                    if policy != "drop"
+                    else "failed reward and its sample is dropped (--reward.failure_policy drop)."
+                )
+            )
+            return "reward_func dry call raised (see above)"
         notices.append(
             f"{flag} {path}{where}: a dry call of reward_func on the first prompt with a made-up response raised "
             f"{detail}. Upstream logs such a failure and leaves that sample's reward None"

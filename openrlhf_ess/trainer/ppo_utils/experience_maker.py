@@ -16,7 +16,7 @@ from openrlhf.utils.utils import zero_pad_sequences
 
 from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES, opob_on, routing_replay_on, sampling_mask_on
 from openrlhf_ess.models import corrections
-from openrlhf_ess.trainer import opob, resume, routing_replay
+from openrlhf_ess.trainer import opob, resume, reward_check, routing_replay
 from openrlhf_ess.trainer.ppo_utils.samples_generator import kept_or_untruncated, versions_or_untagged
 from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
@@ -115,6 +115,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
             experiences = super().make_experience(samples_list)
         finally:
             self._samples_in_flight = None
+        reward_check.check_rewards(experiences, *reward_check.reward_source(self.args))  # a reward model's, now set
         algo = self.args.algo
         max_lag = algo.max_version_lag
         lags, masks, prox, mu, tis = [], [], [], [], []

@@ -11,7 +11,7 @@ import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator as _UpstreamSamplesGenerator
 
 from openrlhf_ess import config
-from openrlhf_ess.trainer import resume, routing_replay
+from openrlhf_ess.trainer import resume, reward_check, routing_replay
 from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
 
@@ -22,7 +22,9 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
 
     @torch.no_grad()
     def generate_samples(self, **generate_kwargs):
-        """Extends upstream's: a rollout batch in which every sample was dropped stops the run.
+        """Extends upstream's: a rollout batch with a NaN or infinite reward (``--reward.failure_policy off``; the
+        other policies replaced it per sample, below) or in which every sample was dropped stops the run
+        (``trainer/reward_check.py``).
 
         Samples are dropped one by one (below); if none is left, upstream's advantage normalisation and
         token-mean loss divide by zero tokens, and the NaN update would silently corrupt the weights.
@@ -36,6 +38,7 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
             self._dataloader_iter = self._replaying(iter(self.prompts_dataloader))
             self._sample_buffer = []
         rollout_samples, *rest = super().generate_samples(**generate_kwargs)
+        reward_check.check_rewards(rollout_samples, *reward_check.reward_source(self.args))
         check_not_all_dropped(rollout_samples)
         if rollout_samples and resume.applies(self.args):
             rollout_samples[0].untrained_prompts = self.untrained_prompts()
