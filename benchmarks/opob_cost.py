@@ -100,14 +100,65 @@ def norms_alone(reps: int, actions: int, hidden: int):
     return t_head, t_norms, peak
 
 
+def methods(reps: int, actions: int, hidden: int):
+    """The two exact ways of the norms (models/opob.py: ``gram`` A²·V, ``direct`` A·V·H) against the LM head's own
+    forward, with the peak each adds."""
+    import torch
+
+    from benchmarks.common import peak_allocated_bytes
+    from openrlhf_ess.models import opob
+
+    torch.manual_seed(0)
+    h = torch.randn(1, actions, hidden)
+    w = torch.randn(V, hidden) / hidden**0.5
+    y = torch.randint(0, V, (1, actions))
+    m = torch.ones(1, actions)
+    z = h @ w.T
+    out = {}
+    for method in ("gram", "direct"):
+        t_head, t_norms = _median_pair(
+            lambda: h @ w.T, lambda: opob.lm_head_sq_grad_norms(h, z, y, m, method=method), reps
+        )
+        peak = peak_allocated_bytes(lambda: opob.lm_head_sq_grad_norms(h, z, y, m, method=method))
+        out[method] = (t_head, t_norms, peak)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=None, help="write the tables as markdown here")
+    p.add_argument(
+        "--methods-only",
+        nargs="*",
+        type=int,
+        default=None,
+        metavar="A",
+        help="only the table of the two norm methods, at these response lengths (e.g. 1024 4096)",
+    )
+    p.add_argument("--hidden", type=int, default=1024, help="H of the methods table")
     a = p.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    if a.methods_only is not None:
+        lines = [
+            f"| A (one response), H = {a.hidden:,}, V = 151,936 | LM head forward A·V·H (s) | gram A²·V (s) | "
+            "direct A·V·H (s) | gram / head | direct / head | peak gram / direct (MiB) | auto takes |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for actions in a.methods_only:
+            r = methods(a.reps, actions, a.hidden)
+            t_head = statistics.median([r["gram"][0], r["direct"][0]])
+            lines.append(
+                f"| {actions:,} | {t_head:.2f} | {r['gram'][1]:.2f} | {r['direct'][1]:.2f} | "
+                f"{r['gram'][1] / t_head:.2f}x | {r['direct'][1] / t_head:.2f}x | "
+                f"{r['gram'][2] / 2**20:.0f} / {r['direct'][2] / 2**20:.0f} | "
+                f"{'gram' if actions <= a.hidden else 'direct'} |"
+            )
+            print(lines[-1], flush=True)
+        _write(a, lines)
+        return
     lines = [
         "| make-experience forward (Qwen2 body, V = 151,936, H = 256, 2 layers; B x (64 prompt + A) tokens) | "
         "without OPOB (s) | with OPOB (s) | ratio |",
@@ -130,6 +181,10 @@ def main() -> None:
             f"{actions * actions * 4 / 2**20:.0f} |"
         )
         print(lines[-1], flush=True)
+    _write(a, lines)
+
+
+def _write(a, lines) -> None:
     cmd = "python -m benchmarks.opob_cost " + " ".join(sys.argv[1:])
     text = f"Command: `{cmd}` (1 CPU thread, fp32, median of {a.reps} interleaved repetitions)\n\n" + "\n".join(lines)
     if a.out:

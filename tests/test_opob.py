@@ -43,6 +43,9 @@ def test_lm_head_norms_equal_per_sample_autograd_float64(temperature):
     # logits at positions L-1-A .. L-2 score tokens L-A .. L-1 (upstream Actor.forward's slicing)
     h, z, y = captured["h"][:, -A - 1 : -1], captured["z"][:, -A - 1 : -1], seq[:, -A:]
     ours = opob.lm_head_sq_grad_norms(h, z, y, mask, temperature=temperature, vocab_chunk=16)
+    # both exact methods (A = 7 < H: auto is the A x A one; the direct gradient blocks cost A·V·H instead)
+    direct = opob.lm_head_sq_grad_norms(h, z, y, mask, temperature=temperature, vocab_chunk=16, method="direct")
+    torch.testing.assert_close(direct, ours, rtol=1e-10, atol=1e-12)
 
     expected = []
     for b in range(B):
@@ -53,6 +56,34 @@ def test_lm_head_norms_equal_per_sample_autograd_float64(temperature):
         expected.append(model.lm_head.weight.grad.pow(2).sum().item())
     assert ours.dtype == torch.float64
     torch.testing.assert_close(ours, torch.tensor(expected, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+
+
+def test_long_responses_take_the_direct_gradient_and_equal_autograd():
+    """A = 20 scored tokens over H = 16: ``auto`` takes the per-block gradient (A·V·H, cheaper than A²·V there); it
+    equals autograd's per-sample ‖∇ lm_head.weight‖² in float64, and the A x A method agrees."""
+    model = _tiny_qwen2(seed=2, hidden=16)
+    B, L, A = 2, 24, 20
+    torch.manual_seed(3)
+    seq = torch.randint(0, 40, (B, L))
+    mask = torch.ones(B, A)
+    mask[0, 15:] = 0
+    captured = {}
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.update(h=i[0].detach(), z=o.detach()))
+    with torch.no_grad():
+        model(seq)
+    hook.remove()
+    h, z, y = captured["h"][:, -A - 1 : -1], captured["z"][:, -A - 1 : -1], seq[:, -A:]
+    auto = opob.lm_head_sq_grad_norms(h, z, y, mask, temperature=0.8, vocab_chunk=7)
+    gram = opob.lm_head_sq_grad_norms(h, z, y, mask, temperature=0.8, vocab_chunk=7, method="gram")
+    expected = []
+    for b in range(B):
+        model.zero_grad()
+        logits = model(seq[b : b + 1]).logits[0, -A - 1 : -1] / 0.8
+        logp = torch.log_softmax(logits, -1).gather(-1, y[b][:, None])[:, 0]
+        (logp * mask[b]).sum().backward()
+        expected.append(model.lm_head.weight.grad.pow(2).sum().item())
+    torch.testing.assert_close(auto, torch.tensor(expected, dtype=torch.float64), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gram, auto, rtol=1e-10, atol=1e-12)
 
 
 def test_baseline_is_the_mean_when_weights_and_norms_are_equal():

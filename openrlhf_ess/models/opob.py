@@ -1,4 +1,4 @@
-r"""VCPO's off-policy optimal baseline (OPOB), the maths (shared/DESIGN.md §9; VCPO, arXiv 2602.17616).
+r"""VCPO's off-policy optimal baseline (OPOB), the maths (docs/opob.md; VCPO, arXiv 2602.17616).
 
 Notation: trajectory i of a baseline set G (the n samples of one prompt), reward R_i, sequence-level importance
 weight w_i (1 on-policy), and g_i = ∇_θ log π_θ(τ_i) = Σ_t ∇_θ log π_θ(y_t | s_t). The IS-weighted estimator
@@ -78,6 +78,9 @@ def optimal_baseline_log(
     return b.expand_as(r).reshape(-1)
 
 
+NORM_METHODS = ("auto", "gram", "direct")
+
+
 def lm_head_sq_grad_norms(
     hidden: torch.Tensor,
     logits: torch.Tensor,
@@ -85,8 +88,16 @@ def lm_head_sq_grad_norms(
     mask: torch.Tensor,
     temperature: float = 1.0,
     vocab_chunk: int = VOCAB_CHUNK,
+    method: str = "auto",
 ) -> torch.Tensor:
     r"""‖∇_W Σ_t m_t log softmax(z_t/τ)[y_t]‖²_F per row, W the LM head's weight (ghost-norm identity, module docs).
+
+    Two exact ways, by cost per sequence of A scored tokens (V vocabulary, H hidden):
+
+    - ``gram``: (1/τ²) Σ_{t,s} m_t m_s (a_t·a_s)(h_t·h_s) from A × A matrices: A²·V multiply-adds for p_t·p_s.
+    - ``direct``: the gradient itself, (1/τ) Σ_t m_t a_t h_tᵀ, one block of C vocabulary rows at a time (C × H),
+      squared and summed: A·V·H multiply-adds, the cost of the LM head's own forward.
+    - ``auto`` (default): ``gram`` when A ≤ H, else ``direct``, i.e. min(A²·V, A·V·H).
 
     Args:
         hidden: (B, A, H) h_t, the LM head's inputs at the positions whose logits score the actions.
@@ -95,11 +106,15 @@ def lm_head_sq_grad_norms(
         mask: (B, A) m_t, 1 on scored actions.
         temperature: τ of the forward (π = softmax(z/τ)).
         vocab_chunk: C, the columns of probabilities held at once.
+        method: one of :data:`NORM_METHODS`.
     Returns:
         (B,) float32 ‖g_i^W‖², computed in fp32 (fp64 when the logits are fp64).
     """
+    if method not in NORM_METHODS:
+        raise ValueError(f"unknown norm method {method!r}; expected one of {NORM_METHODS}")
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    vocab = logits.shape[-1]
+    vocab, n_actions, width = logits.shape[-1], logits.shape[1], hidden.shape[-1]
+    direct = method == "direct" or (method == "auto" and n_actions > width)
     out = []
     for b in range(logits.shape[0]):
         z, m = logits[b], mask[b].to(dtype)  # (A, V) view, (A,)
@@ -112,13 +127,24 @@ def lm_head_sq_grad_norms(
         top = torch.stack([block(c).amax(-1) for c in range(0, vocab, vocab_chunk)]).amax(0)
         total = sum(torch.exp(block(c) - top[:, None]).sum(-1) for c in range(0, vocab, vocab_chunk))
         lse = (top + torch.log(total))[:, None]  # (A, 1)
+        h = hidden[b].to(dtype)
+        if direct:
+            hm = h * m[:, None]  # m_t h_t
+            sq = torch.zeros((), dtype=dtype, device=z.device)
+            for c in range(0, vocab, vocab_chunk):
+                a = -torch.exp(block(c) - lse)  # a_t = e_{y_t} − p_t on this block's columns
+                inside = (y >= c) & (y < c + a.shape[1])
+                a[inside.nonzero()[:, 0], y[inside] - c] += 1
+                grad = a.T @ hm  # (C, H): this block's rows of Σ_t m_t a_t h_tᵀ
+                sq += torch.dot(grad.reshape(-1), grad.reshape(-1))
+            out.append(sq / temperature**2)
+            continue
         pp = torch.zeros(z.shape[0], z.shape[0], dtype=dtype, device=z.device)  # p_t · p_s
         for c in range(0, vocab, vocab_chunk):
             p = torch.exp(block(c) - lse)
             pp += p @ p.T
         q = torch.exp(z[:, y].to(dtype) / temperature - lse)  # q[t, s] = p_t[y_s]
         same = (y[:, None] == y[None, :]).to(dtype)
-        h = hidden[b].to(dtype)
         aa = (same - q - q.T + pp) * (h @ h.T)
         out.append((m @ aa @ m) / temperature**2)
     return torch.stack(out).float() if dtype == torch.float32 else torch.stack(out)
