@@ -136,3 +136,23 @@ def test_align_keeps_common_steps():
 def test_missing_directory_exits(tmp_path):
     with pytest.raises(SystemExit, match="not a directory"):
         plots.main([str(tmp_path / "nope"), str(tmp_path / "out")])
+
+
+def test_a_learning_rate_wobble_is_drawn_at_its_true_scale():
+    """The LR panel starts at 0: an effective LR that wobbles by 0.05 % (an ESS scale of 0.9995) is a flat line at
+    its value, not a full-height swing."""
+    from matplotlib.figure import Figure
+
+    from openrlhf_ess.tools.plots import FIGURES, draw_panel
+
+    lr = 1e-3
+    scalars = {
+        "train/actor_lr": [(s, lr) for s in range(1, 11)],
+        "train/actor_lr_effective": [(s, lr * (0.9995 if s % 2 else 1.0)) for s in range(1, 11)],
+    }
+    panel = next(p for f in FIGURES for p in f.panels if p.title == "actor learning rate")
+    ax = Figure().subplots()
+    draw_panel(ax, scalars, panel)
+    low, high = ax.get_ylim()
+    assert low == 0.0 and high == pytest.approx(1.1 * lr)
+    assert (lr - lr * 0.9995) / (high - low) < 0.001  # the wobble spans under 0.1 % of the panel's height

@@ -39,6 +39,7 @@ class Panel:
     stacked: bool = False
     hline: Optional[Tuple[float, str]] = None  # reference line (y, label), e.g. the on-policy value
     ylim: Optional[Tuple[float, float]] = None
+    from_zero: bool = False  # the y axis starts at 0: a 0.05 % wobble of a learning rate stays a flat line
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ FIGURES: Tuple[FigureSpec, ...] = (
                 "actor learning rate",
                 "learning rate",
                 (("train/actor_lr", "scheduler LR"), ("train/actor_lr_effective", "effective LR (used)")),
+                from_zero=True,
             ),
         ),
         caption=(
@@ -172,7 +174,9 @@ def present_panels(scalars: Scalars, spec: FigureSpec) -> List[Panel]:
     for panel in spec.panels:
         series = tuple((tag, label) for tag, label in panel.series if scalars.get(tag))
         if series:
-            panels.append(Panel(panel.title, panel.ylabel, series, panel.stacked, panel.hline, panel.ylim))
+            panels.append(
+                Panel(panel.title, panel.ylabel, series, panel.stacked, panel.hline, panel.ylim, panel.from_zero)
+            )
     return panels
 
 
@@ -200,6 +204,9 @@ def draw_panel(ax, scalars: Scalars, panel: Panel) -> None:
         ax.axhline(panel.hline[0], color="grey", linestyle="--", linewidth=1, label=panel.hline[1])
     if panel.ylim is not None:
         ax.set_ylim(*panel.ylim)
+    elif panel.from_zero:
+        top = max(max(v for _, v in scalars[tag]) for tag in tags)
+        ax.set_ylim(0.0, top * 1.1 if top > 0 else 1.0)
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
     ax.set_title(panel.title)
     ax.set_ylabel(panel.ylabel)
