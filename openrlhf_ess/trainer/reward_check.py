@@ -116,3 +116,11 @@ def check_rewards(experiences, source: str, fix: str = FUNCTION_FIX) -> None:
     message = nonfinite_reward_message(rewards, prompts, labels, source, fix)
     if message:
         raise NonFiniteRewardError(message)
+
+
+def check_run_rewards(experiences, args) -> None:
+    """:func:`check_rewards` with the run's reward source and fix (:func:`reward_source`), which are read from ``args``
+    only when a reward is not finite: a finite batch costs one pass over its rewards."""
+    if all(math.isfinite(v) for exp in experiences for v in _values(getattr(exp, "rewards", None))):
+        return
+    check_rewards(experiences, *reward_source(args))

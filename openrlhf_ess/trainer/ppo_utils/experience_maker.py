@@ -115,7 +115,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
             experiences = super().make_experience(samples_list)
         finally:
             self._samples_in_flight = None
-        reward_check.check_rewards(experiences, *reward_check.reward_source(self.args))  # a reward model's, now set
+        reward_check.check_run_rewards(experiences, self.args)  # a reward model's, now set
         algo = self.args.algo
         max_lag = algo.max_version_lag
         lags, masks, prox, mu, tis = [], [], [], [], []
