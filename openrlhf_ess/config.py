@@ -95,6 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "0 disables this bound; raise it for an engine quantised on purpose (fp8). Metric: sync/canary_rel_diff.",
     )
     group.add_argument(
+        "--vllm.sync_check_min_coverage",
+        type=float,
+        default=0.95,
+        help="The per-tensor sync check fails, naming the tensors left out, when the engines' tensor names cover "
+        "less than this fraction of the trainer's weight elements (an unknown fused layout would otherwise leave "
+        "most of the model unchecked). 0 accepts any coverage. Metric: sync/checksum_coverage.",
+    )
+    group.add_argument(
         "--vllm.sync_check_canary_every",
         type=int,
         default=50,
@@ -458,8 +466,8 @@ def add_prox_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["hilton", "batch"],
         help="ewma mode: hilton (default) = PPO-EWMA as published (Hilton et al. 2021, openai/ppo-ewma): the "
         "average starts at the initial weights with weight 1 (no bias correction) and pi_prox is a forward of the "
-        "average recomputed for every minibatch (one extra no-grad actor forward per minibatch). batch = ours "
-        "before issue 28, which measured it behind hilton at the same beta on both test rewards: the average "
+        "average recomputed for every minibatch (one extra no-grad actor forward per minibatch). batch = the "
+        "former default, measured behind hilton at the same beta on both test rewards: the average "
         "starts at 0 with bias correction 1/(1-beta^n), pi_prox computed once per rollout batch and kept for every "
         "PPO epoch; kept to reproduce the recorded beta sweep (docs/prox_modes.md).",
     )
@@ -661,7 +669,7 @@ def validate_before_upstream(flat: argparse.Namespace) -> None:
         )
     # Upstream divides by both: its post-parse check by --rollout.micro_batch_size, DeepSpeed's gradient
     # accumulation (train_batch_size // micro_batch_size // world_size) by --train.micro_batch_size; 0 was a
-    # ZeroDivisionError (issue 21, item 10).
+    # ZeroDivisionError.
     for flag, what in (
         ("rollout.micro_batch_size", "samples per forward of the experience maker, per GPU"),
         ("train.micro_batch_size", "samples per forward/backward of a training step, per GPU"),
@@ -697,6 +705,11 @@ def validate(args: types.SimpleNamespace) -> List[str]:
         raise ConfigError(
             f"--vllm.sync_check_rel_tol must be >= 0 (0 disables the canary's relative bound), got "
             f"{args.vllm.sync_check_rel_tol}."
+        )
+    if not 0 <= args.vllm.sync_check_min_coverage <= 1:  # NaN fails too
+        raise ConfigError(
+            f"--vllm.sync_check_min_coverage must be in [0, 1] (a fraction of the trainer's weight elements; 0 "
+            f"accepts any coverage), got {args.vllm.sync_check_min_coverage}."
         )
     if args.vllm.sync_check_tol < 0:
         raise ConfigError(
@@ -793,8 +806,8 @@ TRAINER_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # -
 
 
 def _validate_gpu_path(args: types.SimpleNamespace) -> None:
-    """Configurations that crash in the first minutes of a GPU run, refused before anything is placed (issue 29,
-    items 1-4). Each was read in upstream's and vLLM's GPU code; the CPU path takes other branches."""
+    """Configurations that crash in the first minutes of a GPU run, refused before anything is placed. Each
+    was read in upstream's and vLLM's GPU code; the CPU path takes other branches."""
     if args.ds.param_dtype == "fp32":
         # cpu_compat's fp32 patch returns before it on CUDA; upstream's convert_to_torch_dtype("fp32") raises
         # "Invalid param_dtype" in the actor, reference and critic ranks.

@@ -1,4 +1,4 @@
-"""What the run asks Ray for, per role, checked against the cluster before anything is placed (issue 16, item 2).
+"""What the run asks Ray for, per role, checked against the cluster before anything is placed.
 
 The unit tests need no Ray: ``resources.requests`` is compared with what upstream's own ``train()`` reserves when
 run against recording stand-ins for Ray, across colocation flags; the check and the watchdog's message run on
@@ -179,7 +179,7 @@ def test_a_three_gpu_cluster():
 
 
 def test_a_dedicated_model_is_one_unsharded_gpu():
-    # Issue 20, item 5: the scorer loads one HF copy onto one device; a second GPU would be reserved and idle.
+    # The scorer loads one HF copy onto one device; a second GPU would be reserved and idle.
     with pytest.raises(config.ConfigError, match=r"--algo.prox_dedicated_num_gpus 2\.0: .* not sharded"):
         _args("--train.async_enable", "--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "2")
     args = _args("--train.async_enable", "--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "1")
@@ -242,6 +242,7 @@ def test_watchdog_reports_a_pending_group_once_after_the_bound():
 # ---------------------------------------------------------------------------------- the real CLI
 
 
+@pytest.mark.real_stack
 def test_cli_fails_fast_on_the_measured_hang(tiny_world, tmp_path):
     """`--algo.kl.use_loss --algo.kl.init_coef 0.01` with the reference at upstream's default used to wait
     forever with nothing printed; now the CLI stops right after Ray starts, before any model loads."""
@@ -264,19 +265,25 @@ def test_cli_fails_fast_on_the_measured_hang(tiny_world, tmp_path):
 
 
 def test_host_memory_of_the_reload_sync_at_scale_is_refused_with_the_flag():
-    # Issue 20, item 8: reload ships the whole model as one blob: 2·M on actor rank 0, M + 2·TP·M per engine.
+    # Reload ships the model in messages of at most m = 1 GiB: rank 0 holds one message being built (3·m) and
+    # Ray's copy per engine (E·m); each engine's worker stages the model (M) plus a message and its tensors (2·m),
+    # its front end the message in transit (2·m). A 7B model in bf16 (M = 14 GiB), one engine at TP 1:
     gib = 1 << 30
     args = _args("--vllm.sync_backend", "reload", "--vllm.tensor_parallel_size", "1")
-    needs = resources.host_memory_needs(args, 14 * gib)  # a 7B model in bf16
+    needs = resources.host_memory_needs(args, 14 * gib)
+    engines = args.vllm.num_engines
     assert needs == {
-        "actor rank 0 (--vllm.sync_backend reload)": 28 * gib,
-        "each vLLM engine with its 1 worker(s) (--vllm.sync_backend reload)": 42 * gib,
+        "actor rank 0 (--vllm.sync_backend reload)": (3 + engines) * gib,
+        "each vLLM engine with its 1 worker(s) (--vllm.sync_backend reload)": (14 + 2 + 2) * gib,
     }
     with pytest.raises(
-        resources.ResourceError, match=r"host memory: .*14\.0 GiB.*42\.0 GiB.*--vllm.sync_backend nccl"
+        resources.ResourceError, match=r"host memory: .*14\.0 GiB.*18\.0 GiB.*--vllm.sync_backend nccl"
     ):
-        resources.check_host_memory(args, [{"memory": 32 * gib}, {"memory": 30 * gib}], 14 * gib)
-    resources.check_host_memory(args, [{"memory": 64 * gib}], 14 * gib)  # fits the largest node
+        resources.check_host_memory(args, [{"memory": 16 * gib}, {"memory": 15 * gib}], 14 * gib)
+    resources.check_host_memory(args, [{"memory": 32 * gib}], 14 * gib)  # fits the largest node
+    # a small model is one message: m = M
+    small = resources.host_memory_needs(args, 100 << 20)
+    assert small["actor rank 0 (--vllm.sync_backend reload)"] == (3 + engines) * (100 << 20)
     resources.check_host_memory(args, [{"memory": 1 * gib}], 0)  # a hub id: size unknown, not checked
 
 

@@ -32,12 +32,48 @@ def _engine_layout(hf):
     }
 
 
+def _engine_sums(layout):
+    """What the engine reports of that layout: ``qkv_proj`` by its q, k and v rows (8, 4 and 4 here), the rest
+    whole."""
+    out = {}
+    for name, t in layout.items():
+        if "qkv_proj" in name:
+            for part, rows in zip("qkv", (t[:8], t[8:12], t[12:])):
+                out[f"{name}[{part}]"] = sync_check.checksum(rows)
+        else:
+            out[name] = sync_check.checksum(t)
+    return out
+
+
 def test_fused_and_padded_engine_tensors_match():
     hf = _hf_layer(torch.Generator().manual_seed(0))
     ours = sync_check.trainer_checksums(hf.items())
-    theirs = {k: sync_check.checksum(v) for k, v in _engine_layout(hf).items()}
+    theirs = _engine_sums(_engine_layout(hf))
     bad, compared = sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL)
-    assert bad == [] and compared == 3
+    assert bad == [] and compared == 5
+    assert (
+        sync_check.engine_name("model.layers.0.self_attn.k_proj.bias") == "model.layers.0.self_attn.qkv_proj.bias[k]"
+    )
+
+
+def test_a_whole_qkv_on_one_side_is_compared_with_the_sum_of_the_other_s_parts():
+    """A checkpoint that stores qkv_proj fused (Phi-3), or an engine whose qkv_proj could not be split: the parts
+    on the other side fold into the whole."""
+    hf = _hf_layer(torch.Generator().manual_seed(0))
+    ours = sync_check.trainer_checksums(hf.items())
+    whole = {k: sync_check.checksum(v) for k, v in _engine_layout(hf).items()}
+    mine = sync_check.fold_parts(ours, whole)
+    assert sync_check.mismatched(mine, whole, sync_check.SAME_DTYPE_TOL) == ([], 3)
+    phi3 = {k: v for k, v in hf.items() if "self_attn" not in k}
+    phi3["model.layers.0.self_attn.qkv_proj.weight"] = _engine_layout(hf)["model.layers.0.self_attn.qkv_proj.weight"]
+    ours = sync_check.trainer_checksums(phi3.items())
+    theirs = sync_check.fold_parts(_engine_sums(_engine_layout(hf)), ours)
+    assert sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL) == ([], 3)
+    hf["model.layers.0.self_attn.v_proj.weight"][1, 1] += 1e-4
+    theirs = sync_check.fold_parts(_engine_sums(_engine_layout(hf)), ours)
+    assert sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL)[0] == [
+        "model.layers.0.self_attn.qkv_proj.weight"
+    ]
 
 
 def test_one_small_change_is_named():
@@ -54,11 +90,11 @@ def test_cast_tolerance_accepts_bf16_rounding_but_not_noise():
     hf = _hf_layer(torch.Generator().manual_seed(1))
     ours = sync_check.trainer_checksums(hf.items())
     rounded = {k: v.to(torch.bfloat16) for k, v in _engine_layout(hf).items()}
-    theirs = {k: sync_check.checksum(v) for k, v in rounded.items()}
+    theirs = _engine_sums(rounded)
     assert sync_check.mismatched(ours, theirs, sync_check.CAST_TOL)[0] == []
     assert sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL)[0]  # the strict tolerance sees rounding
-    noise = {k: sync_check.checksum(torch.randn_like(v.float())) for k, v in rounded.items()}
-    assert len(sync_check.mismatched(ours, noise, sync_check.CAST_TOL)[0]) == 3
+    noise = _engine_sums({k: torch.randn_like(v.float()) for k, v in rounded.items()})
+    assert len(sync_check.mismatched(ours, noise, sync_check.CAST_TOL)[0]) == 5
 
 
 def test_names_on_one_side_only_are_not_compared():
@@ -71,7 +107,7 @@ def test_nan_weights_are_a_mismatch():
     assert sync_check.mismatched(ours, {"w": (float("nan"), float("nan"), 4)}, 1e-2)[0] == ["w"]
 
 
-# ---- issue 29, item 5: MoE experts, tensor-parallel engines, and how much a check compared
+# ---- MoE experts, tensor-parallel engines, and how much a check compared
 
 
 def test_moe_experts_are_compared_through_vllm_fused_names():
@@ -146,9 +182,10 @@ def test_expert_names_follow_the_engine_s_nesting():
     assert sync_check.align_experts(trainer, ["model.layers.1.mlp.experts.w13_weight"]) == trainer
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
 def test_moe_experts_are_compared_against_a_real_engines_names(tmp_path, family):
-    """Issue 29 item 5, against a real vLLM engine rather than names read in its code: the tiny MoE model loaded by
+    """Against a real vLLM engine rather than names read in its code: the tiny MoE model loaded by
     vLLM CPU (0.31) names its experts ``mlp.experts.routed_experts.w13_weight`` / ``w2_weight``, while transformers 5
     stores them fused as ``mlp.experts.gate_up_proj`` / ``down_proj`` (not the per-expert names of transformers 4,
     the only ones mapped before: no expert was compared). Every engine tensor with data is matched to the trainer's,
@@ -185,3 +222,169 @@ def test_moe_experts_are_compared_against_a_real_engines_names(tmp_path, family)
     ours = sync_check.align_experts(sync_check.trainer_checksums(hf.named_parameters()), theirs)
     bad, _ = sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL)
     assert bad == ["model.layers.1.mlp.experts.routed_experts.w2_weight"], bad
+
+
+# ---- tensor parallelism with KV heads replicated across workers
+#
+# vLLM's QKVParallelLinear splits the query heads over the TP ranks; with more ranks than KV heads each KV head is
+# held by several ranks. Below, the TP workers' shards are cut by hand from a full q/k/v and placed in modules that
+# carry the attributes vLLM's layer has; the worker's own ``engine_checksums`` reports them, and the trainer merges.
+
+HIDDEN, HEAD = 4, 2
+ATTN = "model.layers.0.self_attn."
+
+
+def _worker_rows(w: int, tp: int, heads: int, kv_heads: int):
+    """The query and KV heads TP rank ``w`` holds: query heads in ``tp`` equal runs; KV heads in ``tp`` equal runs
+    when there are at least as many, else rank ``w`` holds KV head ``floor(w * kv_heads / tp)`` (consecutive ranks
+    share one)."""
+    q = range(w * heads // tp, (w + 1) * heads // tp)
+    kv = range(w * kv_heads // tp, (w + 1) * kv_heads // tp) if tp <= kv_heads else [w * kv_heads // tp]
+    return list(q), list(kv)
+
+
+def _rows(t: torch.Tensor, heads):
+    return torch.cat([t[h * HEAD : (h + 1) * HEAD] for h in heads])
+
+
+class _QKVLayer(torch.nn.Module):
+    """A worker's ``qkv_proj``: its [q; k; v] rows, with the attributes vLLM's QKVParallelLinear carries."""
+
+    def __init__(self, weight, bias, heads, kv_heads, tp):
+        super().__init__()
+        self.num_heads, self.head_size, self.tp_size = heads // tp, HEAD, tp
+        self.num_kv_heads, self.num_kv_head_replicas = max(1, kv_heads // tp), max(1, tp // kv_heads)
+        self.weight, self.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
+        self.weight.output_dim = self.bias.output_dim = 0  # as vLLM sets on its linear parameters
+
+
+def _engine_model(qkv_proj: torch.nn.Module) -> torch.nn.Module:
+    root, layer = torch.nn.Module(), torch.nn.Module()
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.qkv_proj = qkv_proj
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList([layer])
+    return root
+
+
+def _hf_attention(heads: int, kv_heads: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for part, n in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+        out[f"{ATTN}{part}_proj.weight"] = torch.randn(n * HEAD, HIDDEN, generator=g)
+        out[f"{ATTN}{part}_proj.bias"] = torch.randn(n * HEAD, generator=g)
+    return out
+
+
+def _tp_workers(hf, heads: int, kv_heads: int, tp: int):
+    """Each TP worker's (sums, replicas), from the worker's own ``engine_checksums`` over its hand-cut shard."""
+    workers = []
+    for w in range(tp):
+        q_heads, kv = _worker_rows(w, tp, heads, kv_heads)
+        shard = {
+            kind: torch.cat(
+                [
+                    _rows(hf[f"{ATTN}q_proj.{kind}"], q_heads),
+                    _rows(hf[f"{ATTN}k_proj.{kind}"], kv),
+                    _rows(hf[f"{ATTN}v_proj.{kind}"], kv),
+                ]
+            )
+            for kind in ("weight", "bias")
+        }
+        model = _engine_model(_QKVLayer(shard["weight"], shard["bias"], heads, kv_heads, tp))
+        workers.append(sync_check.engine_checksums(model, tp))
+    return workers
+
+
+LAYOUTS = [(8, 4, 2), (8, 4, 4), (8, 2, 4), (8, 2, 8), (8, 1, 4)]  # (heads, kv_heads, tp): tp <, =, > kv_heads
+
+
+@pytest.mark.parametrize("heads,kv_heads,tp", LAYOUTS)
+def test_qkv_merges_across_tp_workers_whatever_the_kv_replication(heads, kv_heads, tp):
+    """Identical weights pass at TP below, equal to and above the KV-head count (Qwen2.5-0.5B: 2 KV heads at TP 4
+    failed before: its summed k and v counted each head twice); a one-element change is named."""
+    hf = _hf_attention(heads, kv_heads)
+    trainer = sync_check.trainer_checksums(hf.items())
+    assert sorted(trainer) == sorted(f"{ATTN}qkv_proj.{k}[{p}]" for k in ("weight", "bias") for p in "qkv")
+    workers = _tp_workers(hf, heads, kv_heads, tp)
+    sums, replicas = [w for w, _ in workers], [r for _, r in workers]
+    merged = sync_check.merge_tensor_parallel(sums, trainer, replicas)
+    assert sync_check.mismatched(trainer, merged, sync_check.SAME_DTYPE_TOL) == ([], 6)
+    assert all(merged[name][2] == trainer[name][2] for name in trainer)  # every element counted once
+
+    hf[f"{ATTN}k_proj.weight"][HEAD * kv_heads - 1, 3] += 1e-4  # the last KV head, on the trainer's side
+    changed = sync_check.trainer_checksums(hf.items())
+    assert sync_check.mismatched(changed, merged, sync_check.SAME_DTYPE_TOL)[0] == [f"{ATTN}qkv_proj.weight[k]"]
+    hf[f"{ATTN}k_proj.weight"][HEAD * kv_heads - 1, 3] -= 1e-4
+    hf[f"{ATTN}q_proj.bias"][0] += 1e-4
+    changed = sync_check.trainer_checksums(hf.items())
+    assert sync_check.mismatched(changed, merged, sync_check.SAME_DTYPE_TOL)[0] == [f"{ATTN}qkv_proj.bias[q]"]
+
+
+@pytest.mark.parametrize("heads,kv_heads,tp", [lay for lay in LAYOUTS if lay[2] > lay[1]])
+def test_a_kv_replica_that_missed_the_update_is_named(heads, kv_heads, tp):
+    """With replicated KV heads, one worker's copy of a head differs from its twin's: the merge names the tensor
+    (the replicas are compared, not just counted once)."""
+    hf = _hf_attention(heads, kv_heads)
+    trainer = sync_check.trainer_checksums(hf.items())
+    workers = _tp_workers(hf, heads, kv_heads, tp)
+    stale = dict(hf)
+    stale[f"{ATTN}v_proj.bias"] = hf[f"{ATTN}v_proj.bias"].clone()
+    stale[f"{ATTN}v_proj.bias"][0] += 1e-4  # KV head 0, held by ranks 0 .. tp/kv_heads - 1; rank 1 keeps it stale
+    workers[1] = _tp_workers(stale, heads, kv_heads, tp)[1]
+    merged = sync_check.merge_tensor_parallel([w for w, _ in workers], trainer, [r for _, r in workers])
+    assert sync_check.mismatched(trainer, merged, sync_check.SAME_DTYPE_TOL)[0] == [f"{ATTN}qkv_proj.bias[v]"]
+
+
+def test_summing_replicated_kv_shards_fails_identical_weights():
+    """The failure the replica count removes: the same shards merged by element count alone (every worker's k
+    smaller than the trainer's, so taken for a shard and summed) count each KV head twice at TP 4 with 2 KV heads."""
+    hf = _hf_attention(8, 2)
+    trainer = sync_check.trainer_checksums(hf.items())
+    workers = _tp_workers(hf, 8, 2, 4)
+    merged = sync_check.merge_tensor_parallel([w for w, _ in workers], trainer)
+    assert sorted(sync_check.mismatched(trainer, merged, sync_check.SAME_DTYPE_TOL)[0]) == sorted(
+        f"{ATTN}qkv_proj.{k}[{p}]" for k in ("weight", "bias") for p in "kv"
+    )
+
+
+class _VocabShard(torch.nn.Module):
+    """A worker's vocabulary-parallel embedding: its rows of the padded vocabulary, with vLLM's attributes."""
+
+    def __init__(self, rows, tp):
+        super().__init__()
+        self.num_embeddings_per_partition, self.tp_size = rows.shape[0], tp
+        self.weight = torch.nn.Parameter(rows)
+
+
+def test_a_small_padded_vocabulary_is_summed_not_taken_for_a_replica():
+    """A 10-token vocabulary padded to 64 rows at TP 2: each worker's 32 rows outnumber the trainer's 10, which the
+    element count alone reads as a replica (and the two halves then disagree); the worker says it is a shard."""
+    embed = torch.randn(10, 4, generator=torch.Generator().manual_seed(5))
+    padded = torch.cat([embed, torch.zeros(54, 4)])
+    trainer = {"model.embed_tokens.weight": sync_check.checksum(embed)}
+    workers = []
+    for w in range(2):
+        root = torch.nn.Module()
+        root.model = torch.nn.Module()
+        root.model.embed_tokens = _VocabShard(padded[w * 32 : (w + 1) * 32].clone(), 2)
+        workers.append(sync_check.engine_checksums(root, 2))
+    merged = sync_check.merge_tensor_parallel([w for w, _ in workers], trainer, [r for _, r in workers])
+    assert sync_check.mismatched(trainer, merged, sync_check.SAME_DTYPE_TOL) == ([], 1)
+    by_count = sync_check.merge_tensor_parallel([w for w, _ in workers], trainer)
+    assert sync_check.mismatched(trainer, by_count, sync_check.SAME_DTYPE_TOL)[0] == ["model.embed_tokens.weight"]
+
+
+def test_repacked_qkv_is_reported_by_what_each_worker_loaded():
+    """vLLM CPU empties its dense linears after loading; each TP worker then reports the sums of the whole tensors
+    its loader received (``_loaded_checksums``), the same on every worker: merged once, not tp times."""
+    heads, kv_heads, tp = 8, 2, 4
+    hf = _hf_attention(heads, kv_heads)
+    trainer = sync_check.trainer_checksums(hf.items())
+    workers = []
+    for _ in range(tp):
+        layer = _QKVLayer(torch.zeros(0, HIDDEN), torch.zeros(0), heads, kv_heads, tp)  # repacked away
+        workers.append(sync_check.engine_checksums(_engine_model(layer), tp, loaded=trainer))
+    assert sorted(workers[0][0]) == sorted(trainer)
+    merged = sync_check.merge_tensor_parallel([w for w, _ in workers], trainer, [r for _, r in workers])
+    assert sync_check.mismatched(trainer, merged, sync_check.SAME_DTYPE_TOL) == ([], 6)

@@ -113,6 +113,7 @@ class StandInEngine:
         self.sleeping_tags = set()  # vLLM's Executor.sleeping_tags
         self.paused = False  # vLLM's scheduler pause state (EngineCore.is_scheduler_paused)
         self.corrupt_syncs = False  # every sync leaves one tensor wrong on this engine
+        self.renamed = {}  # tensors reported under another name: a layout the check's name map does not know
         self.warnings = []
         self._host_copy = None
 
@@ -199,7 +200,7 @@ class StandInEngine:
                 for w, shard in zip(workers, shards if len(shards) == 2 else (p, p)):
                     w[n] = sync_check.checksum(shard)
             return str(params[0][1].dtype), workers
-        return str(params[0][1].dtype), {n: sync_check.checksum(p) for n, p in params}
+        return str(params[0][1].dtype), {self.renamed.get(n, n): sync_check.checksum(p) for n, p in params}
 
     def prompt_log_probs(self, token_ids):
         self._log("prompt_log_probs")
@@ -254,6 +255,7 @@ def make_trainer(monkeypatch, *, sleep, backend="nccl", canary_every=1, tensor_p
         sync_check_tol=0.05,
         sync_check_rel_tol=0.1,
         sync_check_canary_every=canary_every,
+        sync_check_min_coverage=0.95,
         enable_sleep=sleep,
         sync_with_ray=False,
     )
@@ -371,7 +373,7 @@ def test_sleep_mode_checks_each_sync_while_its_weights_are_awake(monkeypatch, ba
 @pytest.mark.parametrize("tensor_parallel", [False, True], ids=["checksums", "checksums-tp2"])
 def test_sleep_mode_catches_a_wrong_engine_weight_at_the_sync(monkeypatch, tensor_parallel):
     """One engine ends the sync with one wrong weight: the check fails inside that broadcast_to_vllm. With tensor
-    parallelism (each worker reports its shards; before issue 29 such engines answered None and only the canary
+    parallelism (each worker reports its shards; such engines once answered None and only the canary
     looked) the workers' sums are merged against the trainer's tensor sizes and the same tensor is named."""
     ctl = make_trainer(monkeypatch, sleep=True, tensor_parallel=tensor_parallel)
     ctl.engines[1].corrupt_syncs = True
@@ -414,6 +416,34 @@ def test_without_sleep_the_check_still_runs_at_the_start_of_the_next_step(monkey
     ctl.generate()
     with pytest.raises(RuntimeError, match=r"engine 1: 1 of 2 tensors differ \(head.weight\)"):
         ctl.ppo_train()  # ... and is caught at the start of the next step
+
+
+def test_a_layout_the_check_cannot_name_fails_unless_the_flag_accepts_it(monkeypatch):
+    """An engine whose largest tensor comes under a name the check does not know: the check can compare only the
+    rest, so it fails, naming the tensor left out, the coverage and the flag; --vllm.sync_check_min_coverage below
+    that coverage accepts it."""
+    ctl = make_trainer(monkeypatch, sleep=False)
+    sizes = {n: p.numel() for n, p in _trainer_params(ctl).items()}
+    largest = max(sizes, key=sizes.get)
+    covered = 1 - sizes[largest] / sum(sizes.values())  # the elements the engine still reports by our names
+    assert covered < 0.95
+    for e in ctl.engines:
+        e.renamed = {largest: largest + ".packed"}
+    ctl.step()
+    ctl.generate()
+    with pytest.raises(RuntimeError) as err:
+        ctl.ppo_train()
+    message = str(err.value)
+    assert f"only {100 * covered:.1f}% of the trainer's weight elements" in message
+    assert "--vllm.sync_check_min_coverage 0.95" in message and f": {largest} (1 tensors left out)" in message
+
+    ctl = make_trainer(monkeypatch, sleep=False)
+    ctl.trainer.args.vllm.sync_check_min_coverage = covered - 0.01
+    for e in ctl.engines:
+        e.renamed = {largest: largest + ".packed"}
+    ctl.step()
+    status = ctl.step()
+    assert status["sync/checksum_coverage"] == pytest.approx(covered)
 
 
 def test_stand_in_engine_follows_vllm_sleep_state():

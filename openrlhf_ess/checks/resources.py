@@ -291,21 +291,34 @@ def model_bytes(path: str) -> int:
 
 
 def host_memory_needs(args: types.SimpleNamespace, model: int) -> Dict[str, int]:
-    """Host bytes the weight transfer of ours needs at its peak, per process that holds it (docs/gpu_path.md):
+    """Host bytes the weight transfer of ours needs at its peak, per process that holds it (docs/gpu_path.md), with
+    m = min(M, the reload message bound, 1 GiB):
 
-    - ``--vllm.sync_backend reload``: actor rank 0 holds a CPU copy of the weights and the serialised blob (2·M);
-      each engine receives the blob (M) and each of its tensor-parallel workers a copy of it plus the tensors
-      parsed from it (2·M per worker): M + 2·TP·M on the engine's node;
-    - ``--algo.prox_mode dedicated``: rank 0's CPU copy and blob for the scorer (2·M; with ``reload`` the same
-      blob), and the scorer's received blob and parsed copy (2·M).
+    - ``--vllm.sync_backend reload``: actor rank 0 builds one message at a time (its tensors, then its bytes:
+      about 3·m) and Ray keeps a copy of it per engine until each has taken it (E·m); each engine's TP workers
+      each stage the whole model as it arrives (M) plus a message and its parsed tensors (2·m), and the engine's
+      front end holds the message in transit (2·m): TP·(M + 2·m) + 2·m on the engine's node;
+    - ``--algo.prox_mode dedicated``: rank 0 keeps the sync's messages for the scorer (M; without ``reload``, its
+      CPU copy and the messages: 2·M), and the scorer's received messages and parsed copy (2·M).
     """
+    from openrlhf_ess.trainer.ray.vllm_worker_wrap import RELOAD_MESSAGE_BYTES
+
     needs: Dict[str, int] = {}
-    if args.vllm.sync_backend == config.RELOAD_BACKEND and args.vllm.num_engines:
-        needs["actor rank 0 (--vllm.sync_backend reload)"] = 2 * model
+    message = min(model, RELOAD_MESSAGE_BYTES)
+    reload = args.vllm.sync_backend == config.RELOAD_BACKEND and args.vllm.num_engines
+    if reload:
+        engines = int(args.vllm.num_engines)
+        needs["actor rank 0 (--vllm.sync_backend reload)"] = (3 + engines) * message
         tp = max(1, int(getattr(args.vllm, "tensor_parallel_size", 1) or 1))
-        needs[f"each vLLM engine with its {tp} worker(s) (--vllm.sync_backend reload)"] = model + 2 * tp * model
-    if args.algo.prox_mode == "dedicated":  # with reload, rank 0 sends the very blob the engines loaded
-        needs.setdefault("actor rank 0 (the dedicated model's weights blob)", 2 * model)
+        needs[f"each vLLM engine with its {tp} worker(s) (--vllm.sync_backend reload)"] = (
+            tp * (model + 2 * message) + 2 * message
+        )
+    if args.algo.prox_mode == "dedicated":  # with reload, rank 0 keeps the very messages the engines loaded
+        key = "actor rank 0 (--vllm.sync_backend reload)"
+        if reload:
+            needs[key] += model
+        else:
+            needs["actor rank 0 (the dedicated model's weights)"] = 2 * model
         needs["the dedicated pi_prox model (--algo.prox_mode dedicated)"] = 2 * model
     return needs
 

@@ -1,4 +1,4 @@
-"""The start-up engine contract's statistics (issue 29, item 6): what separates each fault the canary claims to
+"""The start-up engine contract's statistics: what separates each fault the canary claims to
 catch from bf16 noise, measured in ``benchmarks/canary_faults.py`` (docs/canary_faults.md).
 
 One absolute bound, ``--vllm.sync_check_tol`` (mean |Δ log p| ≤ 0.5 nats), cannot do it: a random or flat model's
@@ -30,6 +30,13 @@ FP32_NOISE_REL = 3e-7
 # one update behind 0.035. In bf16 those two stay within 5x the noise: only the checksums see a stale layer.
 REL_TOL_16BIT = 0.1
 REL_TOL_FP32 = 1e-3
+# The smallest spread a relative error divides by, in nats. A confident model's sampled tokens all have log p near 0,
+# so their spread tends to 0 and any rounding would look like a fault; the tiny flat model's canary spread is ~0.1
+# (its faults measured at 1.9-3.5 of it with this floor or without), so 0.05 changes no verdict measured there.
+SPREAD_FLOOR = 0.05
+# Another hypothesis is named only when it differs from the correct one by this many times μ's distance to it: at
+# T = 0.95 log softmax(z) and log softmax(z/T) are nearly one distribution, and the rounding would decide.
+SEPARATION = 4.0
 
 
 def default_rel_tol(engine_dtype: str, trainer_dtype: str) -> float:
@@ -46,13 +53,11 @@ def spread(log_probs: torch.Tensor) -> float:
 
 
 def relative_error(engine: torch.Tensor, trainer: torch.Tensor) -> float:
-    """r = mean |engine − trainer| / spread(trainer); inf when the trainer's log-probs have no spread at all
-    (every token equally likely: nothing a canary could tell), NaN when either side is not finite."""
+    """r = mean |engine − trainer| / max(spread(trainer), :data:`SPREAD_FLOOR`); NaN when either side is not finite.
+    The floor keeps a confident model's tokens (log p ≈ 0 for all, spread ≈ 0) from turning rounding into a fault:
+    below it the bound acts as an absolute one, ``rel_tol`` × 0.05 nats."""
     diff = (engine.double() - trainer.double()).abs().mean().item()
-    scale = spread(trainer)
-    if scale == 0.0:
-        return float("inf") if diff > 0 else 0.0
-    return diff / scale
+    return diff / max(spread(trainer), SPREAD_FLOOR)
 
 
 def temperature_hypotheses(
@@ -100,10 +105,18 @@ def within_bounds(diff: float, rel: float, tol: float, rel_tol: float) -> bool:
 
 
 def other_distribution(mu: torch.Tensor, hypotheses: Dict[str, torch.Tensor], rel_tol: float) -> Optional[str]:
-    """The hypothesis other than ``"at T"`` that μ is, up to rounding (its relative error to it within
-    max(``rel_tol``, :data:`REL_TOL_16BIT`)), or None: μ merely closer to another one than to the right one is
-    another function, left to the bounds."""
-    closest = closest_distribution(mu, hypotheses)["closest"]
-    if closest != "at T" and relative_error(mu, hypotheses[closest]) <= max(rel_tol, REL_TOL_16BIT):
+    """The hypothesis other than ``"at T"`` that μ is, or None. Named only when μ is that hypothesis up to rounding
+    (its relative error to it within max(``rel_tol``, :data:`REL_TOL_16BIT`)) **and** the hypothesis is told apart
+    from the correct one: they differ by at least :data:`SEPARATION` times μ's distance to it (near T = 1 they are
+    one distribution and the noise would pick). μ merely closer to another one is another function, left to the
+    bounds."""
+    found = closest_distribution(mu, hypotheses)
+    closest = found["closest"]
+    if closest == "at T":
+        return None
+    apart = (hypotheses[closest].double() - hypotheses["at T"].double()).abs().mean().item()
+    if apart < SEPARATION * found["distances"][closest]:
+        return None
+    if relative_error(mu, hypotheses[closest]) <= max(rel_tol, REL_TOL_16BIT):
         return closest
     return None

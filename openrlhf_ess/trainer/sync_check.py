@@ -1,38 +1,41 @@
-"""Per-tensor checksums for the weight-sync check (issue: nothing fails silently).
+"""Per-tensor checksums for the weight-sync check: a sync that leaves any weight wrong must not pass silently.
 
 After a sync, the trainer and every engine each reduce every weight to (Σx, Σx², n) in float64. Both
-sums are additive over concatenation, so the engine's fused tensors (vLLM packs q/k/v into ``qkv_proj``
-and gate/up into ``gate_up_proj``) are compared with the sum of the trainer's parts, and zero padding
-(vLLM pads the vocabulary) changes neither. With the same dtype on both sides the sums agree to
-float64 rounding, so a tensor that differs by a single small update is caught and named — which the
-canary's log-prob tolerance cannot do. The canary stays: it checks the engine's numerics end to end.
+sums are additive over concatenation, so the engine's fused tensors (vLLM packs gate/up into ``gate_up_proj``
+and stacks MoE experts) are compared with the sum of the trainer's parts, and zero padding (vLLM pads the
+vocabulary) changes neither. vLLM's fused ``qkv_proj`` is compared part by part (``qkv_proj.weight[q]``,
+``[k]``, ``[v]``): with tensor parallelism above the model's KV-head count each KV head sits on several workers
+(:func:`merge_tensor_parallel` counts it once). With the same dtype on both sides the sums agree to float64
+rounding, so a tensor that differs by a single small update is caught and named — which the canary's
+log-prob tolerance cannot do. The canary stays: it checks the engine's numerics end to end.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 Checksum = Tuple[float, float, int]  # (Σx, Σx², numel)
 
-# HF parameter name -> the engine's fused parameter name (vLLM's packed modules for Llama/Qwen-style models; its
-# FusedMoE stacks every expert's gate and up projections into ``experts.w13_weight`` and the down projections into
-# ``experts.w2_weight``: issue 29 item 5, MoE experts were never compared). Experts first: their names also end in
-# gate_proj/up_proj. transformers 5 already stores the experts fused, one 3-D ``experts.gate_up_proj`` and
-# ``experts.down_proj`` per layer (found against a real vLLM engine's names, tests/test_sync_check.py): the sums are
-# order-free, so its layout [E, 2I, H] against vLLM's w13 [E, 2I, H] (or transposed) compares all the same.
+# HF parameter name -> the engine's name (vLLM's packed modules for Llama/Qwen-style models; its FusedMoE stacks every
+# expert's gate and up projections into ``experts.w13_weight`` and the down projections into ``experts.w2_weight``).
+# Experts first: their names also end in gate_proj/up_proj. transformers 5 already stores the experts fused, one 3-D
+# ``experts.gate_up_proj`` and ``experts.down_proj`` per layer (found against a real vLLM engine's names,
+# tests/test_sync_check.py): the sums are order-free, so its layout [E, 2I, H] against vLLM's w13 [E, 2I, H] (or
+# transposed) compares all the same. q/k/v map onto their part of ``qkv_proj`` (``qkv_proj.weight[k]``), which the
+# engine reports separately (:func:`engine_checksums`) because KV heads may be replicated across its workers.
 _FUSED = (
     (re.compile(r"\.experts\.gate_up_proj$"), ".experts.w13_weight"),
     (re.compile(r"\.experts\.down_proj$"), ".experts.w2_weight"),
     (re.compile(r"\.experts\.\d+\.(gate|up)_proj\.weight$"), ".experts.w13_weight"),
     (re.compile(r"\.experts\.\d+\.down_proj\.weight$"), ".experts.w2_weight"),
-    (re.compile(r"\.(q|k|v)_proj\."), ".qkv_proj."),
+    (re.compile(r"\.(q|k|v)_proj\.(.+)$"), r".qkv_proj.\2[\1]"),
     (re.compile(r"\.(gate|up)_proj\."), ".gate_up_proj."),
 )
-MIN_COVERAGE = 0.95  # below this fraction of the trainer's weight elements compared, the check says so loudly
+QKV_PARTS = ("q", "k", "v")
 
 SAME_DTYPE_TOL = 1e-9  # float64 sums of identical values, summed in a different order
 CAST_TOL = 1e-2  # the engine keeps another dtype than the trainer sent: rounding changes the sums
@@ -110,25 +113,144 @@ def coverage(trainer: Dict[str, Checksum], engine: Dict[str, Checksum]) -> float
     return sum(n for name, (_, _, n) in trainer.items() if name in engine) / total if total else 0.0
 
 
-def merge_tensor_parallel(workers: List[Dict[str, Checksum]], trainer: Dict[str, Checksum]) -> Dict[str, Checksum]:
-    """One engine's checksums from its tensor-parallel workers' (issue 29, item 5: engines with TP > 1 were never
-    checked). A sharded tensor holds fewer elements per worker than the trainer's tensor: its worker sums add up to
-    the whole (Σx, Σx² and n are additive; vocabulary padding adds zeros). A replicated one holds them all in every
-    worker: worker 0's sums are the engine's if every worker agrees (to float64 rounding), else NaN sums, which
-    never match, so the check names the tensor. Names the trainer does not have are left out (nothing to decide
-    the layout by)."""
+def merge_tensor_parallel(
+    workers: List[Dict[str, Checksum]],
+    trainer: Dict[str, Checksum],
+    replicas: Optional[List[Dict[str, int]]] = None,
+) -> Dict[str, Checksum]:
+    """One engine's checksums from its tensor-parallel workers' (in TP rank order).
+
+    Each name's workers fall into consecutive groups of ``r`` that hold the same shard (vLLM places a replicated KV
+    head on TP ranks ``j·r .. j·r + r - 1``): the engine's sums are the sum over groups of one member's sums, if the
+    members of every group agree (to float64 rounding), else NaN sums, which never match, so the check names the
+    tensor. ``r`` is what every worker reported in ``replicas`` (:func:`engine_checksums`: a KV part's replica
+    count, 1 for a vocabulary shard, the TP size for a weight they all hold whole); for a name without it, ``r`` is
+    the TP size if every worker holds at least the trainer's element count (a replicated tensor) and 1 otherwise
+    (a sharded one: its shards add up to the whole; vocabulary padding adds zeros). Names the trainer does not have
+    are left out (nothing to decide the layout by)."""
     out: Dict[str, Checksum] = {}
     for name, (_, _, n_trainer) in trainer.items():
         parts = [w[name] for w in workers if name in w]
         if len(parts) != len(workers) or not parts:
             continue
-        if all(n >= n_trainer for _, _, n in parts):  # replicated (padding only adds elements)
-            # replicas that disagree: NaN sums, which never match, so the check names the tensor
-            agree = all(_close(part, parts[0], SAME_DTYPE_TOL) for part in parts[1:])
-            out[name] = parts[0] if agree else (math.nan, math.nan, parts[0][2])
-        else:  # sharded
+        out[name] = merge_groups(parts, shard_replicas(name, parts, n_trainer, replicas))
+    return out
+
+
+def shard_replicas(
+    name: str, parts: List[Checksum], n_trainer: int, replicas: Optional[List[Dict[str, int]]]
+) -> Optional[int]:
+    """How many consecutive workers hold each shard of ``name`` (see :func:`merge_tensor_parallel`); None when the
+    workers report different counts (the merge then fails the tensor)."""
+    reported = {r.get(name) for r in replicas} if replicas else {None}
+    if reported != {None}:
+        return reported.pop() if len(reported) == 1 else None
+    return len(parts) if all(n >= n_trainer for _, _, n in parts) else 1
+
+
+def merge_groups(parts: List[Checksum], r: Optional[int]) -> Checksum:
+    """The sum over consecutive groups of ``r`` workers of one member's sums; NaN sums when a group's members
+    disagree or ``r`` does not divide the worker count."""
+    nan = (math.nan, math.nan, parts[0][2])
+    if not r or r < 1 or len(parts) % r:
+        return nan
+    total = [0.0, 0.0, 0]
+    for start in range(0, len(parts), r):
+        group = parts[start : start + r]
+        if not all(_close(member, group[0], SAME_DTYPE_TOL) for member in group[1:]):
+            return nan
+        total = [total[0] + group[0][0], total[1] + group[0][1], total[2] + group[0][2]]
+    return (total[0], total[1], int(total[2]))
+
+
+def part_name(name: str, part: str) -> str:
+    """The name of one part (q, k or v) of a fused ``qkv_proj`` parameter: ``...qkv_proj.weight[k]``."""
+    return f"{name}[{part}]"
+
+
+def fold_parts(sums: Dict[str, Checksum], other: Iterable[str]) -> Dict[str, Checksum]:
+    """``sums`` with each complete set of parts ``X[q]``, ``X[k]``, ``X[v]`` replaced by their sum ``X`` where the
+    other side names ``X`` whole and not its parts: a checkpoint that stores ``qkv_proj`` fused (Phi-3), or an engine
+    layout whose ``qkv_proj`` could not be split (quantised packing). Other names are unchanged."""
+    other = set(other)
+    out = dict(sums)
+    for name in {n.rpartition("[")[0] for n in sums if n.endswith(("[q]", "[k]", "[v]"))}:
+        keys = [part_name(name, p) for p in QKV_PARTS]
+        if name in other and name not in out and all(k in out for k in keys) and not any(k in other for k in keys):
+            parts = [out.pop(k) for k in keys]
             out[name] = (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts))
     return out
+
+
+def qkv_layout(layer: torch.nn.Module, tp_size: int) -> Optional[List[Tuple[str, int, int]]]:
+    """(part, rows in this worker's shard, replicas) for q, k and v of a vLLM ``QKVParallelLinear`` (any module with
+    its ``num_heads``, ``num_kv_heads``, ``head_size`` and ``num_kv_head_replicas``), else None.
+
+    A worker's ``qkv_proj`` holds, along its output dimension, its ``num_heads`` query heads, then its
+    ``num_kv_heads`` key heads, then as many value heads (vllm/model_executor/layers/linear.py). Query heads are
+    split across the layer's TP ranks; with more ranks than KV heads each KV head is on ``num_kv_head_replicas``
+    consecutive ranks. A layer built without TP (its ``tp_size`` 1 in a TP engine) is whole on every rank."""
+    try:
+        heads, kv_heads, head_size = layer.num_heads, layer.num_kv_heads, layer.head_size
+        kv_replicas = layer.num_kv_head_replicas
+    except AttributeError:
+        return None
+    v_head_size = getattr(layer, "v_head_size", None) or head_size
+    whole = max(1, tp_size // max(1, getattr(layer, "tp_size", tp_size)))  # ranks holding the same layer whole
+    return [
+        ("q", heads * head_size, whole),
+        ("k", kv_heads * head_size, whole * kv_replicas),
+        ("v", kv_heads * v_head_size, whole * kv_replicas),
+    ]
+
+
+def split_qkv(param: torch.Tensor, layout: List[Tuple[str, int, int]]) -> Optional[List[torch.Tensor]]:
+    """``param``'s q, k and v blocks along its ``output_dim`` (views), or None if it is not laid out as
+    ``layout`` says (no ``output_dim``, or a quantised packing that changes the row count)."""
+    dim = getattr(param, "output_dim", None)
+    rows = [n for _, n, _ in layout]
+    if dim is None or param.dim() <= dim or param.shape[dim] != sum(rows):
+        return None
+    return list(param.detach().split(rows, dim=dim))
+
+
+def engine_checksums(
+    model: torch.nn.Module, tp_size: int = 1, loaded: Optional[Dict[str, Checksum]] = None
+) -> Tuple[Dict[str, Checksum], Dict[str, int]]:
+    """One engine worker's checksums ``{name: (Σx, Σx², n)}`` and, by name, how many consecutive TP workers hold the
+    same data (for :func:`merge_tensor_parallel`; names left out are merged by element count).
+
+    A ``qkv_proj`` parameter is reported as its q, k and v parts (:func:`qkv_layout`; replicas: the KV heads'). A
+    vocabulary-parallel embedding or LM head (a module with ``num_embeddings_per_partition``) is a shard on every
+    worker, padding included. A parameter vLLM emptied (its CPU backend repacks dense linears into a kernel handle)
+    is reported by ``loaded``: the sums of what the loader received, by engine name, the whole tensor on every
+    worker."""
+    loaded = loaded or {}
+    qkv, vocab = {}, {}
+    for prefix, module in model.named_modules():
+        layout = qkv_layout(module, tp_size)
+        for pname, _ in module.named_parameters(recurse=False):
+            full = f"{prefix}.{pname}" if prefix else pname
+            if layout is not None:
+                qkv[full] = layout
+            elif hasattr(module, "num_embeddings_per_partition"):
+                vocab[full] = max(1, tp_size // max(1, getattr(module, "tp_size", tp_size)))
+    sums: Dict[str, Checksum] = {}
+    replicas: Dict[str, int] = {}
+    for name, param in model.named_parameters():
+        if not param.numel():  # repacked away: what the loader received, whole on every worker
+            for key in (k for k in loaded if k == name or k.startswith(name + "[")):
+                sums[key], replicas[key] = loaded[key], tp_size
+            continue
+        blocks = split_qkv(param, qkv[name]) if name in qkv else None
+        if blocks is None:
+            sums[name] = checksum(param)
+            if name in vocab:
+                replicas[name] = vocab[name]
+            continue
+        for (part, _, r), block in zip(qkv[name], blocks):
+            sums[part_name(name, part)], replicas[part_name(name, part)] = checksum(block), r
+    return sums, replicas
 
 
 def align_experts(trainer: Dict[str, Checksum], engine_names: Iterable[str]) -> Dict[str, Checksum]:

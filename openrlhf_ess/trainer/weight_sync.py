@@ -6,15 +6,17 @@ One object per actor rank, called by ``ActorPPOTrainer`` at three points: the sy
 The check of a sync runs at the start of the next training step, or, with ``--vllm.enable_sleep``, right after
 the sync, while the engines' weights are awake (:meth:`WeightSync.after_sync` says why).
 
-Memory discipline under ZeRO-3 (shared/DESIGN.md §7): every pass over the weights here gathers one parameter
-at a time (:func:`gathered_one_by_one`), like upstream's broadcast, so the peak extra device memory is the
-largest parameter, never the model. The host copies are another matter: the reload blob, the dedicated
-model's weights and the audit trail need the whole model once, on rank 0's host.
+Memory discipline under ZeRO-3: every pass over the weights here gathers one parameter at a time
+(:func:`gathered_one_by_one`), like upstream's broadcast, so the peak extra device memory is the largest
+parameter, never the model. On rank 0's host, the reload sync holds one message at a time (at most
+``vllm_worker_wrap.RELOAD_MESSAGE_BYTES``, :meth:`WeightSync.push`); the dedicated model's weights and the audit
+trail need the whole model once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
@@ -55,9 +57,8 @@ class WeightSync:
         self.trainer = trainer  # upstream's ActorPPOTrainer (ours): actor, args, vllm_engines, strategy
         self.args = trainer.args
         self.metrics: Dict[str, float] = {}
-        self._blob_for_dedicated = None  # (blob,) the reload sync just sent, kept for the dedicated model
+        self._blob_for_dedicated = None  # (messages,) the reload sync just sent, kept for the dedicated model
         self._loaded_engine_checksums = None  # reload: the engines' checksums taken right after the load
-        self._coverage_warned = False  # the sync check's low-coverage warning, once per run
         self._to_check, self._syncs_checked = False, 0
         self._checked_metrics: Dict[str, float] = {}  # --vllm.enable_sleep: the check's, for the next step
 
@@ -88,17 +89,25 @@ class WeightSync:
                 state[name] = param.data.detach().to("cpu", copy=True).contiguous()
         return state if rank0 else None
 
-    def weights_blob(self) -> Optional[bytes]:
-        """The full HF weights as safetensors bytes on rank 0 (None on other ranks; all ranks must call)."""
-        from safetensors.torch import save
+    def weights_blob(self) -> Optional[List[bytes]]:
+        """The full HF weights as safetensors messages (``vllm_worker_wrap.weight_messages``) on rank 0 (None on other
+        ranks; all ranks must call): one host copy of the model, gathered one parameter at a time. For the dedicated
+        model, which gets them through Ray alone (never vLLM's msgpack-encoded engine calls) and reassembles them
+        (``prox_scorer.ProxScorerImpl.load_weights``)."""
+        from openrlhf_ess.trainer.ray.vllm_worker_wrap import weight_messages
 
-        state = self.synced_state()
-        return save(state) if state is not None else None
+        rank0 = torch.distributed.get_rank() == 0
+        named = ((name, param.data) for name, param in gathered_one_by_one(self.synced_params(), self._zero3))
+        if not rank0:
+            for _ in named:  # every rank takes part in each gather
+                pass
+            return None
+        return [blob for blob, _ in weight_messages(named)]
 
-    def blob_for_dedicated(self) -> Optional[bytes]:
-        """dedicated mode, right after a sync: the blob the reload backend has just sent to the engines (no second
-        gather and serialisation); after other backends, gathered now. Every rank must call it (each holds the
-        same decision: a kept blob, None on ranks other than 0, or a gather)."""
+    def blob_for_dedicated(self) -> Optional[List[bytes]]:
+        """dedicated mode, right after a sync: the messages the reload backend has just sent to the engines (no
+        second gather and serialisation); after other backends, gathered now. Every rank must call it (each holds
+        the same decision: kept messages, None on ranks other than 0, or a gather)."""
         kept, self._blob_for_dedicated = self._blob_for_dedicated, None
         return kept[0] if kept is not None else self.weights_blob()
 
@@ -119,22 +128,38 @@ class WeightSync:
     def push(self) -> None:
         """``--vllm.sync_backend reload``, replacing upstream's per-tensor NCCL/gloo broadcast.
 
-        Rank 0 collects the full weights (gathered one parameter at a time under ZeRO-3), serialises them once
-        as a safetensors blob, and every engine loads it with vLLM's ``reload_weights``. Cost: one host copy of
-        the model per sync.
-        """
+        Rank 0 collects the full weights (gathered one parameter at a time under ZeRO-3) into safetensors messages
+        of at most ``vllm_worker_wrap.RELOAD_MESSAGE_BYTES`` (vLLM msgpack-encodes each call to its engine core and
+        refuses a bytes object of 4 GiB or more), sent to every engine as they fill: each worker stages them, and
+        the last one loads the whole set with vLLM's ``reload_weights``. A model that fits in one message takes
+        one call per engine. Cost on rank 0's host: one message at a time (its tensors while it is built, then its
+        bytes and Ray's copies while the engines take it), never the model (``--algo.prox_mode dedicated`` keeps
+        the messages, one copy of the model, for the dedicated model)."""
         from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
-        blob = self.weights_blob()
-        if self.args.algo.prox_mode == "dedicated":  # the dedicated model is sent the same bytes next
-            self._blob_for_dedicated = (blob,)
-        if blob is not None:
-            checks = self.args.vllm.sync_check_tol > 0
-            loaded = ray.get(
-                [engine.load_weights_from_safetensors.remote(blob, checks) for engine in self.trainer.vllm_engines]
-            )
-            if checks:  # the engines' checksums right after the load, for the check at the next step
-                self._loaded_engine_checksums = [(r["checksums"], r["checksum_seconds"]) for r in loaded]
+        from openrlhf_ess.trainer.ray.vllm_worker_wrap import weight_messages
+
+        rank0 = torch.distributed.get_rank() == 0
+        dedicated = self.args.algo.prox_mode == "dedicated"  # the dedicated model is sent the same messages next
+        named = ((name, param.data) for name, param in gathered_one_by_one(self.synced_params(), self._zero3))
+        if not rank0:
+            for _ in named:  # every rank takes part in each gather
+                pass
+            if dedicated:
+                self._blob_for_dedicated = (None,)
+        else:
+            engines, checks, kept = self.trainer.vllm_engines, self.args.vllm.sync_check_tol > 0, []
+            for blob, last in weight_messages(named):
+                if dedicated:
+                    kept.append(blob)
+                if not last:
+                    ray.get([engine.stage_weights_from_safetensors.remote(blob) for engine in engines])
+                    continue
+                loaded = ray.get([engine.load_weights_from_safetensors.remote(blob, checks) for engine in engines])
+                if checks:  # the engines' checksums right after the load, for the check at the next step
+                    self._loaded_engine_checksums = [(r["checksums"], r["checksum_seconds"]) for r in loaded]
+            if dedicated:
+                self._blob_for_dedicated = (kept,)
         torch_dist_barrier_and_cuda_sync()
 
     # ---- the check -----------------------------------------------------------------------------------
@@ -387,10 +412,12 @@ class WeightSync:
             engine_seconds = 0.0
         covered = []  # (fraction of the trainer's elements the engine's names cover, engine index, its names)
         for i, result in enumerate(results):
-            engine_dtype, theirs = result
-            mine = sync_check.align_experts(ours, theirs[0] if isinstance(theirs, list) else theirs)
+            engine_dtype, theirs, *replicas = result  # replicas: per worker, with tensor parallelism
+            names = theirs[0] if isinstance(theirs, list) else theirs
+            mine = sync_check.fold_parts(sync_check.align_experts(ours, names), names)
             if isinstance(theirs, list):  # tensor-parallel engine: one dict per worker
-                theirs = sync_check.merge_tensor_parallel(theirs, mine)
+                theirs = sync_check.merge_tensor_parallel(theirs, mine, replicas[0] if replicas else None)
+            theirs = sync_check.fold_parts(theirs, mine)
             tol = sync_check.SAME_DTYPE_TOL if engine_dtype == dtype else sync_check.CAST_TOL
             bad, compared = sync_check.mismatched(mine, theirs, tol)
             compared_all += compared
@@ -414,16 +441,17 @@ class WeightSync:
                 "sync/checksum_seconds": time.time() - t0 + engine_seconds,
             }
         )
-        if low < sync_check.MIN_COVERAGE and not self._coverage_warned and not notes:
-            self._coverage_warned = True  # once per run: the layout does not change between syncs
+        floor = self.args.vllm.sync_check_min_coverage
+        if low < floor and not notes:
             left = sorted(name for name in sync_check.align_experts(ours, names) if name not in names)
-            print(
-                f"[openrlhf-ess] WARNING: weight sync check: only {100 * low:.1f}% of the trainer's weight elements "
-                f"have a tensor of the same name in engine {worst} (below {100 * sync_check.MIN_COVERAGE:.0f}%), so "
-                f"the rest is not compared: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''}. The canary "
-                "still checks the engine end to end (sync/checksum_coverage); please report the layout so the name "
-                "map (trainer/sync_check.py) covers it.",
-                flush=True,
+            raise RuntimeError(
+                f"weight sync check after version {self.trainer.weight_version}: only {100 * low:.1f}% of the "
+                f"trainer's weight elements have a tensor of the same name in engine {worst} (below "
+                f"--vllm.sync_check_min_coverage {floor:g}), so the rest cannot be compared: "
+                f"{', '.join(left[:8])}{', ...' if len(left) > 8 else ''} ({len(left)} tensors left out). The name "
+                "map (trainer/sync_check.py) does not know this engine's layout; --vllm.sync_check_min_coverage "
+                f"{max(0.0, math.floor(100 * low) / 100 - 0.01):.2f} accepts it (the canary still checks the engine "
+                "end to end)."
             )
         if notes:
             raise RuntimeError(

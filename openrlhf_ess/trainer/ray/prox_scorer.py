@@ -1,4 +1,4 @@
-"""The dedicated old-log-prob model (``--algo.prox_mode dedicated``, shared/DESIGN.md §4).
+"""The dedicated old-log-prob model (``--algo.prox_mode dedicated``; docs/prox_modes.md).
 
 A Ray actor holding an HF copy of the policy at the version the vLLM engines hold. At every weight sync
 the trainer first has it score the outgoing version's tokens (it still holds that version), then sends
@@ -73,12 +73,14 @@ class ProxScorerImpl:
             routes=routes,
         )
 
-    def load_weights(self, version: int, blob: bytes) -> float:
-        """Take version ``version``'s weights (safetensors bytes of the actor's HF parameters)."""
-        from safetensors.torch import load
+    def load_weights(self, version: int, blob) -> float:
+        """Take version ``version``'s weights: safetensors bytes of the actor's HF parameters, or the messages of a
+        sync (``vllm_worker_wrap.weight_messages``). They come through Ray alone, which carries objects of any size
+        (no vLLM engine call, whose msgpack encoding refuses bytes of 4 GiB or more)."""
+        from openrlhf_ess.trainer.ray.vllm_worker_wrap import assemble
 
         t0 = time.time()
-        state = load(blob)
+        state = assemble([blob] if isinstance(blob, (bytes, bytearray, memoryview)) else blob)
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
             raise RuntimeError(f"dedicated model: weights do not match (missing {missing}, unexpected {unexpected})")

@@ -46,6 +46,15 @@ class _Call(NamedTuple):
 _GENERATE_CALLS: contextvars.ContextVar[Optional[List[_Call]]] = contextvars.ContextVar(
     "openrlhf_ess_generate_calls", default=None
 )
+# A held-out eval's requests carry this key in ``SamplingParams.extra_args`` (set by our SamplesGenerator); the
+# engine serves them like any other but never reports them as rollouts to score (``outgoing_streams``).
+EVAL_MARK = "openrlhf_ess_eval"
+_EVALUATION: contextvars.ContextVar[bool] = contextvars.ContextVar("openrlhf_ess_evaluation", default=False)
+
+
+def is_evaluation(sampling_params) -> bool:
+    """Whether ``sampling_params`` belong to a held-out eval request (:data:`EVAL_MARK`)."""
+    return bool((getattr(sampling_params, "extra_args", None) or {}).get(EVAL_MARK))
 
 
 class _Progress:
@@ -63,7 +72,7 @@ class _Progress:
 
     def switch(self, version: int) -> None:
         # Generation is paused during a weight sync, so every token streamed so far was sampled by
-        # the outgoing weights and every later token by the new ones (shared/DESIGN.md §4).
+        # the outgoing weights and every later token by the new ones.
         if self.streamed == self.starts[-1]:
             self.versions[-1] = version
         else:
@@ -133,7 +142,7 @@ def check_kept_count_contract(
     ranks: Sequence[int], top_k: int, patched_calls: Sequence[int], vocab: Optional[int] = None
 ) -> None:
     """Raise :class:`EngineContractError` unless the engine reported k_t >= ``top_k`` for every token of a
-    top-``top_k`` generation, k_t = ``top_k`` for most of them and k_t < ``vocab`` for all (issue 29, item 7: a
+    top-``top_k`` generation, k_t = ``top_k`` for most of them and k_t < ``vocab`` for all (a
     mask that kept everything, k_t = V, passed the lower bound alone; ties at the boundary let a few exceed
     ``top_k`` on vLLM's PyTorch path, never most), and the patched sampler ran in every worker (``patched_calls``
     per worker)."""
@@ -352,7 +361,9 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
                     "sampling params, or run without --algo.sampling_mask."
                 )
             progress = _Progress(self.weight_version, min_tokens)
-            self._inflight[request_id] = progress
+            evaluation = _EVALUATION.get()  # an eval request: tagged, but neither in flight nor finished rollouts
+            if not evaluation:
+                self._inflight[request_id] = progress
             try:
                 async for output in generate(prompt, sampling_params, *args, request_id=request_id, **kwargs):
                     progress.streamed = len(output.outputs[0].token_ids)
@@ -368,7 +379,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
                     yield output
             finally:
                 self._inflight.pop(request_id, None)
-                if self.report_outgoing and progress.streamed:
+                if self.report_outgoing and progress.streamed and not evaluation:
                     self._finished.append(progress)
             calls = _GENERATE_CALLS.get()
             if calls is not None:
@@ -403,7 +414,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             return [step[token].rank for step, token in zip(final.outputs[0].logprobs, final.outputs[0].token_ids)]
 
         # a batch, as training sends: on CUDA, vLLM 0.29 samples batches of 8 or more with its Triton kernel, which
-        # one request never reaches (issue 29, item 7)
+        # one request never reaches
         batches = await asyncio.gather(*(one([1 + i, 2, 3]) for i in range(CONTRACT_REQUESTS)))
         calls = await self.llm.collective_rpc("kept_count_rank_calls")
         vocab = self.llm.model_config.get_vocab_size()
@@ -417,7 +428,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         at a weight sync (``report_outgoing``) the request is 32 tokens and its routes are also read at its first
         streamed output (:func:`inflight_routes`), which must cover the tokens so far. Only that row count informs:
         on vLLM 0.29-0.31 the mid-generation rows are the same chunks the final output concatenates, so their
-        equality with its first rows holds by construction (still checked, as a layout guard; issue 29, item 9)."""
+        equality with its first rows holds by construction (still checked, as a layout guard)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.utils import random_uuid
@@ -500,12 +511,13 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
 
     async def weight_checksums(self):
         """The engine's per-tensor checksums ``(dtype, {name: (Σx, Σx², n)})``; with tensor parallelism
-        ``(dtype, [one dict per worker])``, merged on the trainer against its own tensor sizes
-        (``sync_check.merge_tensor_parallel``: a worker's shard is smaller than the trainer's tensor)."""
-        results = await self.llm.collective_rpc("weight_checksums")
+        ``(dtype, [one dict per worker], [replicas per worker])``, merged on the trainer against its own tensor sizes
+        (``sync_check.merge_tensor_parallel``: a worker's shard is smaller than the trainer's tensor, and a KV head
+        may sit on several workers, as ``replicas`` says)."""
+        results = await self.llm.collective_rpc("weight_checksums", args=(True,))
         if len(results) == 1:
-            return results[0]
-        return results[0][0], [sums for _, sums in results]
+            return results[0][:2]
+        return results[0][0], [sums for _, sums, _ in results], [replicas for _, _, replicas in results]
 
     async def inflight_tokens(self) -> List[int]:
         """Output tokens streamed so far by each in-flight request (introspection for tests and logs)."""
@@ -551,6 +563,10 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         self._finished = []
         return out
 
+    async def held_weight_version(self) -> int:
+        """The weight version the engine holds: the last one :meth:`set_weight_version` gave it (0 before)."""
+        return self.weight_version
+
     async def set_weight_version(self, version: int) -> int:
         """Called by the trainer after a complete weight sync, while generation is paused (or idle)."""
         self.weight_version = int(version)
@@ -565,6 +581,8 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         build ``rollout_log_probs`` whenever ``sampling_params.logprobs`` is set. With ``report_kept_counts``
         the request is ``logprobs=0`` (the sampled token only): with top-N requested, vLLM merges a sampled
         token that is also in the top N into that entry, whose rank is its top-N position, not our k_t.
+        A held-out eval's request (:func:`is_evaluation`) is generated and tagged alike but kept out of the rollouts
+        ``outgoing_streams`` reports: its executor's generate() calls run with :data:`_EVALUATION` set.
         """
         if self.report_kept_counts and sampling_params.logprobs != 0:
             sampling_params = copy.deepcopy(sampling_params)
@@ -572,18 +590,41 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         elif self.force_logprobs and sampling_params.logprobs is None:
             sampling_params = copy.deepcopy(sampling_params)
             sampling_params.logprobs = 1
-        return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
+        token = _EVALUATION.set(is_evaluation(sampling_params))
+        try:
+            return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
+        finally:
+            _EVALUATION.reset(token)
+
+    async def stage_weights_from_safetensors(self, blob: bytes) -> List[int]:
+        """One message of a weight sync that spans several, but its last (``vllm_worker_wrap.weight_messages``, at
+        most ``RELOAD_MESSAGE_BYTES``): every worker stages it until :meth:`load_weights_from_safetensors` brings the
+        last. Returns the per-worker tensor counts."""
+        return await self.llm.collective_rpc("stage_weights_from_safetensors", args=(blob,))
 
     async def load_weights_from_safetensors(self, blob: bytes, with_checksums: bool = False) -> Dict[str, Any]:
-        """Load a full set of weights (safetensors bytes) into every worker, then drop the prefix cache.
+        """Load a full set of weights into every worker, then drop the prefix cache: ``blob`` is the last message of
+        a sync whose others were staged (:meth:`stage_weights_from_safetensors`), or a whole safetensors set.
 
-        The prefix cache holds KV computed by the old weights; reusing it would make the new
-        policy's log-probs wrong, so it is always reset here. Returns the per-worker tensor counts and
-        the engine's weight checksums taken right after the load, while the engine is idle (the sync
-        check compares them at the next step without another engine request).
+        vLLM msgpack-encodes every argument on its way to the engine core, which refuses a bytes object of 4 GiB
+        or more: a whole set larger than ``RELOAD_MESSAGE_BYTES`` (a caller that sends one blob; the trainer's
+        sync never does) is cut into messages here, at the cost of one decoded copy of it in this process.
+        The prefix cache holds KV computed by the old weights; reusing it would make the new policy's log-probs
+        wrong, so it is always reset here. Returns the per-worker tensor counts and the engine's weight checksums
+        taken right after the load, while the engine is idle (the sync check compares them at the next step
+        without another engine request).
         """
         import time
 
+        from openrlhf_ess.trainer.ray import vllm_worker_wrap as wire
+
+        if len(blob) > wire.RELOAD_MESSAGE_BYTES:
+            from safetensors.torch import load
+
+            for message, last in wire.weight_messages(load(blob).items()):
+                if not last:
+                    await self.stage_weights_from_safetensors(message)
+            blob = message
         counts = await self.llm.collective_rpc("load_weights_from_safetensors", args=(blob,))
         await self.llm.reset_prefix_cache()
         t0 = time.time()

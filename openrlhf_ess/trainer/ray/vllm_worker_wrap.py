@@ -4,13 +4,16 @@ Mirrors ``openrlhf/trainer/ray/vllm_worker_wrap.py``. Upstream receives weights 
 NCCL (or CUDA IPC) and calls ``model.load_weights`` per tensor. On a CPU machine neither transport
 exists (upstream's gloo path returns silently and leaves the engine on uninitialised memory), and
 vLLM's CPU linears are repacked after loading, so per-tensor ``load_weights`` is rejected. Here the
-trainer ships all tensors as one safetensors blob and vLLM's own ``reload_weights`` loads them in one
-pass, which re-runs the post-load processing (repacking) correctly on every backend.
+trainer ships the weights as safetensors messages of at most :data:`RELOAD_MESSAGE_BYTES` each
+(:func:`weight_messages`); every worker stages them (:class:`StagedWeights`) and, at the last one, loads the
+whole set in one pass with vLLM's own ``reload_weights``, which re-runs the post-load processing (repacking)
+correctly on every backend.
 """
 
+import json
 import os
 import threading
-from typing import List
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap as _UpstreamWorkerWrap
@@ -20,6 +23,199 @@ from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap as _UpstreamWorkerW
 FAULT_ENV = "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD"
 # Fault injection for tests: add 1e-3 to one element of the named tensor, far below what the canary sees.
 PERTURB_ENV = "OPENRLHF_ESS_FAULT_PERTURB_WEIGHT_LOAD"
+
+
+RELOAD_MESSAGE_BYTES = 1 << 30
+"""The most bytes one message of a ``reload`` weight sync may hold, header included (1 GiB).
+
+Each message crosses vLLM's engine-core client, which msgpack-encodes a utility call's arguments
+(``vllm/v1/engine/core_client.py``); msgspec refuses a bytes object of 2**32 bytes or more, so one blob of a
+bf16 model above ~2B parameters could never be sent. 1 GiB stays far below that and keeps every copy of a
+message small. Peak host memory: on the trainer's rank 0, the message being built (its tensors, then their
+serialisation: about 3 x this bound) plus Ray's copy of it for each engine while the engines take it, never
+the whole model (``--algo.prox_mode dedicated`` keeps the sync's messages, one copy of the model, for the
+dedicated model); in each engine worker, the staged weights (one copy of the model, handed to vLLM's loader
+tensor by tensor and released as it goes) plus the message being staged and its decoded tensors (2 x this
+bound). Tests lower it to send a tiny model in many messages."""
+
+_HEADER_BYTES = 256  # a message's fixed header: its length prefix, metadata keys and part number, alignment padding
+_DTYPE_BYTES = 64  # one tensor's header entry but its name and shape: '{"dtype":"F8_E4M3","shape":[],...[a,b]}'
+_NUMBER_BYTES = 21  # one integer (shape dimension or offset) in a header, with its separator
+
+
+def _entry_bytes(name: str, ndim: int) -> int:
+    """An upper bound on the header bytes of one whole tensor of ``ndim`` dimensions in a message."""
+    return len(json.dumps(name)) + _DTYPE_BYTES + _NUMBER_BYTES * (ndim + 2)
+
+
+def _piece_bytes(name: str, ndim: int) -> int:
+    """An upper bound on the header bytes of one piece of a split tensor: its 1-D entry, and its shape and first
+    element in the ``split`` metadata (JSON inside a JSON string: every character may be escaped once)."""
+    return _entry_bytes(name, 1) + 2 * (len(json.dumps(name)) + 8 + _NUMBER_BYTES * (ndim + 1))
+
+
+class _Planner:
+    """Places tensors, in order, into messages of at most ``bound`` bytes (see :func:`plan_messages`)."""
+
+    def __init__(self, bound: int):
+        self.capacity = bound - _HEADER_BYTES
+        self.room = self.capacity  # what the current message has left
+        self.empty = True
+
+    def _open(self) -> None:
+        self.room, self.empty = self.capacity, True
+
+    def place(self, name: str, shape: Sequence[int], element_size: int) -> List[Tuple[bool, int, int, bool]]:
+        """(starts a new message, first element, end element, split) of each piece of one tensor."""
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        whole = numel * element_size + _entry_bytes(name, len(shape))
+        if whole <= self.capacity:  # never split a tensor that fits in a message of its own
+            new = whole > self.room and not self.empty
+            if new:
+                self._open()
+            self.room, self.empty = self.room - whole, False
+            return [(new, 0, numel, False)]
+        overhead = _piece_bytes(name, len(shape))
+        if (self.capacity - overhead) // element_size < 1:
+            raise ValueError(
+                f"a reload message of {self.capacity + _HEADER_BYTES} bytes cannot hold one element of {name}"
+            )
+        pieces, start, new = [], 0, False
+        while start < numel:
+            fits = (self.room - overhead) // element_size
+            if fits < 1:
+                self._open()
+                new = True
+                continue
+            end = min(numel, start + fits)
+            pieces.append((new, start, end, True))
+            self.room, self.empty, new, start = self.room - overhead - (end - start) * element_size, False, False, end
+        return pieces
+
+
+def plan_messages(entries: Iterable[Tuple[str, Sequence[int], int]], bound: int) -> List[List[Tuple[str, int, int]]]:
+    """How :func:`weight_messages` packs tensors ``(name, shape, element size)`` into messages of at most ``bound``
+    bytes: per message, its ``(name, first element, end element)`` pieces of the flattened tensors.
+
+    Tensors go in order; one that does not fit in what is left of the current message starts the next, and one
+    larger than a whole message is split by elements, its first piece filling the current message. A 0-element
+    tensor is a piece of its own (its shape must arrive)."""
+    planner, messages = _Planner(bound), [[]]
+    for name, shape, element_size in entries:
+        for new, start, end, _ in planner.place(name, shape, element_size):
+            if new:
+                messages.append([])
+            messages[-1].append((name, start, end))
+    return messages if messages[0] else []
+
+
+def weight_messages(
+    named: Iterable[Tuple[str, torch.Tensor]], bound: Optional[int] = None
+) -> Iterator[Tuple[bytes, bool]]:
+    """The tensors as safetensors messages of at most ``bound`` bytes (default :data:`RELOAD_MESSAGE_BYTES`), each
+    with whether it is the last, in the plan of :func:`plan_messages`. Lazy: a tensor is copied to the host (only
+    the part a message takes) when its message is built, so under ZeRO-3 the caller may gather one parameter at a
+    time. A whole tensor keeps its name and shape; a piece of a split one is a 1-D tensor under the same name, its
+    shape and first element in the message's ``split`` metadata; ``part`` numbers the messages of one sync."""
+    from safetensors.torch import save
+
+    bound = RELOAD_MESSAGE_BYTES if bound is None else bound
+    planner, tensors, split, part = _Planner(bound), {}, {}, 0
+
+    def message() -> bytes:
+        blob = save(tensors, metadata={"part": str(part), "split": json.dumps(split)})
+        if len(blob) > bound:  # the header bound above is wrong: a bug, never a message vLLM would refuse later
+            raise RuntimeError(f"reload message {part} has {len(blob)} bytes, above its bound of {bound}")
+        return blob
+
+    for name, tensor in named:
+        tensor = tensor.detach()
+        for new, start, end, is_piece in planner.place(name, tuple(tensor.shape), tensor.element_size()):
+            if new:
+                yield message(), False
+                tensors, split, part = {}, {}, part + 1
+            if is_piece:
+                tensors[name] = tensor.reshape(-1)[start:end].to("cpu", copy=True)
+                split[name] = [list(tensor.shape), start]
+            else:
+                tensors[name] = tensor.to("cpu", copy=True).contiguous()
+    yield message(), True
+
+
+def _header(blob: bytes) -> dict:
+    """A safetensors blob's metadata (its header's ``__metadata__``)."""
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(bytes(blob[8 : 8 + n])).get("__metadata__") or {}
+
+
+class StagedWeights:
+    """The messages of one sync received so far, reassembled into whole tensors by HF name.
+
+    A message without a ``part`` (a plain safetensors file of whole tensors) or with part 0 starts a new sync;
+    another part must follow the previous one, else a sync was interrupted and its remains would mix with this
+    one. :meth:`complete` refuses a split tensor with pieces missing."""
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tensors: Dict[str, torch.Tensor] = {}
+        self._missing: Dict[str, int] = {}  # split tensors: elements not yet received
+        self._parts = 0
+
+    def add(self, blob: bytes) -> int:
+        """Stage one message; returns its tensor count."""
+        from safetensors.torch import load
+
+        meta = _header(blob)
+        part = int(meta.get("part", 0))
+        if part == 0:
+            self._reset()
+        elif part != self._parts:
+            raise RuntimeError(
+                f"weight sync message {part} arrived after {self._parts} of its sync: a sync was interrupted; "
+                "send the whole sync again"
+            )
+        self._parts = part + 1
+        split = json.loads(meta.get("split") or "{}")
+        received = load(blob)
+        for name, t in received.items():
+            if name not in split:
+                self.tensors[name] = t
+                continue
+            shape, start = split[name]
+            if name not in self.tensors:
+                self.tensors[name] = torch.empty(shape, dtype=t.dtype)
+                self._missing[name] = self.tensors[name].numel()
+            flat = self.tensors[name].view(-1)
+            if start + t.numel() > flat.numel():
+                raise RuntimeError(f"weight sync message {part}: a piece of {name} lies outside its shape {shape}")
+            flat[start : start + t.numel()].copy_(t)
+            self._missing[name] -= t.numel()
+        return len(received)
+
+    def complete(self) -> Dict[str, torch.Tensor]:
+        """The staged tensors, every split one whole (else RuntimeError naming them)."""
+        short = sorted(name for name, n in self._missing.items() if n != 0)
+        if short:
+            raise RuntimeError(f"weight sync: pieces of {', '.join(short[:5])} never arrived")
+        return self.tensors
+
+
+def assemble(messages: Iterable[bytes]) -> Dict[str, torch.Tensor]:
+    """The whole tensors of one sync's messages (:func:`weight_messages`), in one process."""
+    staged = StagedWeights()
+    for blob in messages:
+        staged.add(blob)
+    return staged.complete()
+
+
+def _drain(tensors: Dict[str, torch.Tensor]) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield and forget each tensor, in order: the loader's copy replaces the staged one, not both kept."""
+    for name in list(tensors):
+        yield name, tensors.pop(name)
 
 
 _KEPT_RANK = threading.local()  # set while vLLM's Sampler.forward runs in this worker process
@@ -97,14 +293,19 @@ class WorkerWrap(_UpstreamWorkerWrap):
             if isinstance(m, LogitsProcessor)
         ]
 
+    def stage_weights_from_safetensors(self, blob: bytes) -> int:
+        """Stage one message of a sync that spans several (all but its last); returns its tensor count."""
+        staged = getattr(self, "_staged_weights", None)
+        if staged is None:
+            staged = self._staged_weights = StagedWeights()
+        return staged.add(blob)
+
     def load_weights_from_safetensors(self, blob: bytes) -> int:
-        """Load every tensor in ``blob`` (safetensors bytes, HF names) into the model; return the count."""
-        from safetensors.torch import load
-
-        tensors = load(blob)
+        """Stage ``blob`` (a whole safetensors set, or the last message of a sync) and load every staged tensor (HF
+        names) into the model through vLLM's ``reload_weights``; return the count."""
+        self.stage_weights_from_safetensors(blob)
+        tensors, self._staged_weights = self._staged_weights.complete(), None
         if os.environ.get(FAULT_ENV) == "1":
-            import torch
-
             tensors = {name: torch.randn_like(t) for name, t in tensors.items()}
         if os.environ.get(PERTURB_ENV) in tensors:
             t = tensors[os.environ[PERTURB_ENV]].clone()
@@ -118,20 +319,24 @@ class WorkerWrap(_UpstreamWorkerWrap):
         from openrlhf_ess.runtime.quiet import filter_vllm_reload_warning
 
         filter_vllm_reload_warning()  # vLLM's harmless "RotaryEmbedding: Failed to load weights" at every sync
-        self.reload_weights(weights_iterator=iter(tensors.items()))
-        return len(tensors)
+        count = len(tensors)
+        self.reload_weights(weights_iterator=_drain(tensors))
+        return count
 
-    def weight_checksums(self):
-        """(dtype, {name: (Σx, Σx², n)}) of this worker's weights, for the trainer's per-tensor sync check."""
-        from openrlhf_ess.trainer.sync_check import checksum
+    def weight_checksums(self, with_replicas: bool = False):
+        """(dtype, {name: (Σx, Σx², n)}) of this worker's weights, for the trainer's per-tensor sync check; with
+        ``with_replicas``, (dtype, sums, replicas): how many consecutive TP workers hold each name's data
+        (``sync_check.engine_checksums``: ``qkv_proj`` by its q, k and v parts, repacked weights by what the
+        loader received)."""
+        from openrlhf_ess.trainer.sync_check import engine_checksums
 
-        params = list(self.model_runner.model.named_parameters())
+        model = self.model_runner.model
+        params = list(model.named_parameters())
         dtype = str(params[0][1].dtype) if params else ""
-        loaded = getattr(self, "_loaded_checksums", {})
-        out = {}
-        for name, p in params:
-            if p.numel():
-                out[name] = checksum(p)
-            elif name in loaded:  # repacked away (vLLM CPU linears): what the loader received
-                out[name] = loaded[name]
-        return dtype, out
+        tp_size = 1
+        if with_replicas:
+            from vllm.distributed import get_tensor_model_parallel_world_size
+
+            tp_size = get_tensor_model_parallel_world_size()
+        sums, replicas = engine_checksums(model, tp_size, getattr(self, "_loaded_checksums", {}))
+        return (dtype, sums, replicas) if with_replicas else (dtype, sums)
