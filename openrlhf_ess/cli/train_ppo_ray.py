@@ -30,7 +30,7 @@ cpu_compat.apply()
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.checks import preflight, resources  # noqa: E402
 from openrlhf_ess.runtime import run_lock, shm_cleanup, signals  # noqa: E402
-from openrlhf_ess.trainer import resume, saving  # noqa: E402
+from openrlhf_ess.trainer import eval_clock, resume, saving  # noqa: E402
 
 # Environment variables forwarded to every Ray worker, with the defaults the CPU stack needs.
 _FORWARDED_ENV = {
@@ -53,6 +53,7 @@ _FORWARDED_ENV = {
     "OPENRLHF_ESS_FAULT_FINAL_SAVE": None,  # tests only: see trainer/saving.py
     "OPENRLHF_ESS_FAULT_HOLD_AT": None,  # tests only: see trainer/resume.py
     cpu_compat.DEVICE_ENV: None,  # the run's accelerator, decided once on the driver (resolve_accelerator)
+    eval_clock.LAUNCH_TIME_ENV: None,  # the CLI's start, set by _main: evals log the wall-clock since it
 }
 # Ray's worker set-up hook: a module that never initialises CUDA (it runs before Ray sets CUDA_VISIBLE_DEVICES).
 WORKER_SETUP_HOOK = "openrlhf_ess.runtime.worker_hook.setup_worker"
@@ -99,7 +100,7 @@ def resolve_accelerator(args) -> str:
     Returns the log line that says what was decided and why. The driver's own ``torch.cuda`` is not the
     cluster's: a CPU-only head node, or ``ray job submit`` (Ray gives the job's driver
     ``CUDA_VISIBLE_DEVICES=""``), would make a GPU cluster run in CPU mode, rejecting every GPU recipe's
-    flags, turning NCCL into reload and giving engines a 1 GiB KV cache (issue 20, item 7). So with a cluster
+    flags, turning NCCL into reload and giving engines a 1 GiB KV cache. So with a cluster
     to join, each alive node that declares GPUs runs a zero-resource probe, pinned to it, that answers
     :func:`cpu_compat.cuda_available` there (NVML; no CUDA initialised); a private instance is this machine.
     Raises :class:`config.ConfigError` when the GPU nodes disagree or cannot be probed.
@@ -801,6 +802,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 def _main(argv: Optional[List[str]]) -> None:
+    eval_clock.export_launch_time()  # forwarded to every Ray worker (_runtime_env)
     for line in _CACHE_NOTICES:  # a HOME the run cannot write (caches.py)
         print(line, flush=True)
     upstream.check_version()

@@ -14,6 +14,7 @@ import collections  # noqa: E402
 import time  # noqa: E402
 
 import ray  # noqa: E402
+import torch  # noqa: E402
 from openrlhf.trainer import ppo_trainer as _upstream  # noqa: E402
 
 from openrlhf_ess import config, upstream  # noqa: E402
@@ -64,6 +65,18 @@ class PPOTrainerImpl(OffPolicyControllerMixin, _UpstreamPPOTrainer):
         upstream.rebind(_UpstreamPPOTrainer.__init__, {"SamplesGenerator": SamplesGenerator})(self, *args, **kwargs)
         self.adopt_experience_maker()
 
+    @torch.no_grad()
+    def evaluate(self, global_step, **generate_kwargs):
+        """Upstream's, its metrics extended with when and on which weight version the eval ran
+        (``eval/weight_version``, ``eval/wall_clock_s``, ``eval/wall_clock_since_step1_s``: trainer/eval_clock.py)."""
+        generator = self.samples_generator
+
+        def with_clock(*args, **kwargs):
+            return {**_upstream.compute_eval_metrics(*args, **kwargs), **generator.last_eval_clock}
+
+        evaluate = upstream.rebind(_UpstreamPPOTrainer.evaluate.__wrapped__, {"compute_eval_metrics": with_clock})
+        return evaluate(self, global_step, **generate_kwargs)
+
 
 PPOTrainer = ray.remote(PPOTrainerImpl)
 
@@ -72,7 +85,7 @@ class ScoreAtSyncMixin(_upstream.BasePPOTrainer):
     """Score the outgoing version's tokens at each weight sync (--algo.prox_mode interrupt / dedicated).
 
     Placed between upstream's async ``TrainingActor`` and ``BasePPOTrainer`` in the MRO, so its
-    ``broadcast_to_vllm`` runs inside upstream's lock and generation pause (shared/DESIGN.md §4):
+    ``broadcast_to_vllm`` runs inside upstream's lock and generation pause (docs/prox_modes.md):
 
     1. every engine reports the token streams that sampled tokens with the outgoing version V (in-flight
        prefixes and finished, unconsumed responses; those the trainer already consumed are skipped);

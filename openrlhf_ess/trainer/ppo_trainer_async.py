@@ -33,6 +33,12 @@ class GenerateSamplesActorImpl(_UpstreamGenerate):
         sidecar = resume.loaded_sidecar(self.args.ckpt.path) or {}
         self.samples_generator.replay_first(sidecar.get("replay", []))
 
+    def _run_eval(self):
+        """Extends upstream's (run under the lock that keeps weight syncs out): the eval's metrics also say on which
+        weight version and when it ran (``eval/weight_version``, ``eval/wall_clock_s``,
+        ``eval/wall_clock_since_step1_s``: trainer/eval_clock.py)."""
+        return {**super()._run_eval(), **self.samples_generator.last_eval_clock}
+
 
 class TrainingActorImpl(OffPolicyControllerMixin, _UpstreamTraining, ScoreAtSyncMixin):
     # MRO: ours, upstream's TrainingActor (lock + pause around the sync), ScoreAtSyncMixin (scores inside

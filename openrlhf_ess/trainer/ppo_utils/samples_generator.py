@@ -5,20 +5,49 @@ Mirrors ``openrlhf/trainer/ppo_utils/samples_generator.py``.
 
 from __future__ import annotations
 
-from typing import List
+import time
+from typing import Dict, List, Optional
 
+import ray
 import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator as _UpstreamSamplesGenerator
 
-from openrlhf_ess import config
-from openrlhf_ess.trainer import resume, reward_check, routing_replay
-from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
+from openrlhf_ess import config, upstream
+from openrlhf_ess.trainer import eval_clock, resume, reward_check, routing_replay
+from openrlhf_ess.trainer.ray.vllm_engine import EVAL_MARK, NO_VERSION, NOT_TRUNCATED
 
 
 class SamplesGenerator(_UpstreamSamplesGenerator):
     # Async resume (trainer/resume.py): (prompt, label, image) of prompts dispatched but not trained at the
     # checkpoint, drawn before the data loader's saved position on the first call after a resume.
     _replay: List[tuple] = ()
+    # When the first rollout batch of this launch was handed to the trainer (the start of its first step).
+    first_step_start: Optional[float] = None
+    # The last eval's clock metrics (eval_clock.eval_clock_metrics), merged into its eval metrics by the trainer.
+    last_eval_clock: Dict[str, float] = {}
+    _evaluating = False
+
+    @torch.no_grad()
+    def generate_eval_samples(self, **generate_kwargs):
+        """Extends upstream's: the eval's requests are marked (``SamplingParams.extra_args``, ``EVAL_MARK``) so the
+        engines keep them out of the rollouts they report for scoring at a weight sync, and ``last_eval_clock``
+        records when it ran and on which weight version (``trainer/eval_clock.py``). The async trainer calls this
+        under the lock that keeps weight syncs out, so the version the engines report holds for the whole eval."""
+        self.last_eval_clock = eval_clock.eval_clock_metrics(
+            time.time(), eval_clock.launch_time(), self.first_step_start, self.engines_version()
+        )
+        self._evaluating = True
+        try:
+            return super().generate_eval_samples(**generate_kwargs)
+        finally:
+            self._evaluating = False
+
+    def engines_version(self) -> Optional[int]:
+        """The weight version every engine holds, or None when the engines are not told versions (no feature tags
+        rollout tokens with them: ``config.needs_versions``) or they disagree."""
+        if not self.vllm_engines or not config.needs_versions(self.args):
+            return None
+        return eval_clock.held_version(ray.get([e.held_weight_version.remote() for e in self.vllm_engines]))
 
     @torch.no_grad()
     def generate_samples(self, **generate_kwargs):
@@ -38,17 +67,24 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
             self._dataloader_iter = self._replaying(iter(self.prompts_dataloader))
             self._sample_buffer = []
         rollout_samples, *rest = super().generate_samples(**generate_kwargs)
-        reward_check.check_rewards(rollout_samples, *reward_check.reward_source(self.args))
+        reward_check.check_run_rewards(rollout_samples, self.args)
         check_not_all_dropped(rollout_samples)
+        if rollout_samples and self.first_step_start is None:
+            self.first_step_start = time.time()  # the trainer waits for this batch: its first step starts now
         if rollout_samples and resume.applies(self.args):
             rollout_samples[0].untrained_prompts = self.untrained_prompts()
         return (rollout_samples, *rest)
 
     def _dispatch_prompts_to_vllm(self, prompts, labels, *, images=None, **generate_kwargs):
         """Extends upstream's: ``--rollout.top_k`` reaches the engines (upstream reads ``top_k`` from the
-        generate kwargs but has no flag for it)."""
+        generate kwargs but has no flag for it); an eval's requests carry ``EVAL_MARK``."""
         if self.args.rollout.top_k > 0:
             generate_kwargs.setdefault("top_k", self.args.rollout.top_k)
+        if self._evaluating:
+            dispatch = upstream.rebind(
+                _UpstreamSamplesGenerator._dispatch_prompts_to_vllm, {"SamplingParams": eval_sampling_params}
+            )
+            return dispatch(self, prompts, labels, images=images, **generate_kwargs)
         return super()._dispatch_prompts_to_vllm(prompts, labels, images=images, **generate_kwargs)
 
     def replay_first(self, prompts: List[tuple]) -> None:
@@ -130,6 +166,15 @@ class SamplesGenerator(_UpstreamSamplesGenerator):
                 experience.action_mask = torch.zeros_like(experience.action_mask)
             experience.info["rollout_logprob_nonfinite"] = torch.tensor([float(nonfinite)])
         return experience
+
+
+def eval_sampling_params(**kwargs):
+    """vLLM ``SamplingParams(**kwargs)`` marked as a held-out eval's (``extra_args[EVAL_MARK]``; vLLM's own
+    samplers ignore ``extra_args``)."""
+    from vllm import SamplingParams
+
+    extra = dict(kwargs.pop("extra_args", None) or {}, **{EVAL_MARK: True})
+    return SamplingParams(**kwargs, extra_args=extra)
 
 
 def _from_engine(response: dict, key: str, flag: str, what: str):
