@@ -1,4 +1,4 @@
-"""What the start-up engine contract can tell from bf16 noise (issue 29, item 6): each fault the canary claims to
+"""What the start-up engine contract can tell from bf16 noise: each fault the canary claims to
 catch, made real in a vLLM CPU engine, against the noise of a correct engine, in bf16 and fp32.
 
     python -m benchmarks.canary_faults [--out docs/canary_faults]     # ~4 min on 2 cores

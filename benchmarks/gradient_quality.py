@@ -13,7 +13,7 @@ Qwen2, digit reward):
    log-probs (its output logits): engine mismatch ~0, staleness alone. ``--sampler vllm-bf16`` / ``vllm-fp32``
    samples the stale batches with the real vLLM CPU engine instead (one in-process engine, its weights set to
    θ_{N−L} through the package's sync path at each lag; μ = the engine's log-probs), so a bf16 engine's kernel
-   mismatch enters μ (issue 22 §2, docs/staleness_target.md). ``--task target`` uses the interior-optimum
+   mismatch enters μ (docs/staleness_target.md). ``--task target`` uses the interior-optimum
    reward (tiny/reward_target.py) instead of the digit fraction.
 3. At θ = θ_N, for each lag L: K stale batches of B sequences from θ_{N−L}; each correction's loss on a
    batch is differentiated at θ_N, giving its update direction g. The reference g* is the same
@@ -98,7 +98,7 @@ CORRECTIONS = (
     "EWMA β=0.9 + TIS",
     "EWMA auto + TIS",
     "loglinear + TIS",
-    # Issue 28: VCPO's off-policy optimal baseline (docs/opob.md) in place of the group mean, with the estimator
+    # VCPO's off-policy optimal baseline (docs/opob.md) in place of the group mean, with the estimator
     # that has no IS weight (w = 1) and with VCPO's sequence-level TIS (w = min(geo-mean π_θN/μ, 2))
     "OPOB",
     "TIS (seq) + OPOB",
@@ -106,7 +106,7 @@ CORRECTIONS = (
     # mean and with OPOB as its baseline: does removing the bias leave a variance that OPOB can take?
     "IS (seq product)",
     "IS (seq product) + OPOB",
-    # issue 28's next question: the same unbiased estimator with a baseline that does not come from the batch it
+    # The next question: the same unbiased estimator with a baseline that does not come from the batch it
     # corrects (the previous stale batch's, one scalar): constant with respect to the batch's samples, so it
     # cannot pull the expectation back as the in-batch OPOB did; does it still take the variance?
     "IS (seq product) + held-out mean",
@@ -187,7 +187,7 @@ def prox_log_probs(batch: StaleBatch, correction: str) -> torch.Tensor:
 
 
 def ess_lr_scale(batch: StaleBatch, prox_lp: torch.Tensor) -> torch.Tensor:
-    """clamp(√ρ, floor, 1) of this batch, ρ = ESS/B of the geometric-mean weights π_prox/μ (DESIGN.md §3)."""
+    """clamp(√ρ, floor, 1) of this batch, ρ = ESS/B of the geometric-mean weights π_prox/μ (docs/ess_lr.md)."""
     log_w, valid = corrections.sequence_log_weights(prox_lp, batch.rollout_log_probs, batch.action_mask)
     return corrections.lr_scale_from_rho(corrections.ess_ratio(log_w, valid), ESS_FLOOR)
 
@@ -281,7 +281,7 @@ def quality(grads: List[torch.Tensor], ref: torch.Tensor) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# EWMA decay from the version lag (issue 15 §3; the rule is openrlhf_ess.models.corrections.ewma_decay_for_age)
+# EWMA decay from the version lag (the rule is openrlhf_ess.models.corrections.ewma_decay_for_age)
 
 
 def ewma_decay_for_lag(lag: float) -> float:

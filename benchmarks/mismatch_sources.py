@@ -1,4 +1,4 @@
-"""The engine's LM-head precision as a source of train–inference mismatch (issue 23 §5, --vllm.fp32_lm_head).
+"""The engine's LM-head precision as a source of train–inference mismatch (--vllm.fp32_lm_head).
 
     python -m benchmarks.mismatch_sources [--families dense] [--peak 1 8] [--out docs/mismatch_sources]
 

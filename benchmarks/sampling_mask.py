@@ -1,4 +1,4 @@
-"""Evidence for --algo.sampling_mask keep and --algo.prox_mode bypass (issue 13 items 7 and 10).
+"""Evidence for --algo.sampling_mask keep and --algo.prox_mode bypass.
 
     python -m benchmarks.sampling_mask [--prompts 64] [--episodes 2] [--out docs/sampling_mask]
 
@@ -171,7 +171,7 @@ def exact_k_support(x, k):
 
 
 def tie_error(vocab: int = 151_936, rows: int = 256, seed: int = 0) -> dict:
-    """Issue 20, item 3: what vLLM's Triton kernel keeps (exactly k_t) against two trainer rules: keeping every
+    """What vLLM's Triton kernel keeps (exactly k_t) against two trainer rules: keeping every
     token tied with the k_t-th value (the rule before the fix) and ours now (``support_mask``: exactly k_t). On
     bf16-rounded LM-like rows (a few strong tokens over a N(0, 1.5²) tail: top token ≈ 0.6) and fp32 ones, for
     top-k 50 and top-p 0.8 (k_t = Triton's count): how often the boundary is tied, and the error in log π̃,

@@ -47,7 +47,7 @@ CORRECTIONS: Dict[str, List[str]] = {
     "TIS + snapshot": TIS + SNAPSHOT,
     "TIS + snapshot + ESS-LR": TIS + SNAPSHOT + ["--algo.ess_lr_enable"],
     "TIS + EWMA": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch"],
-    # π_prox = μ (no old-log-prob forward): a correction of its own, the cheapest (issue 13)
+    # π_prox = μ (no old-log-prob forward): a correction of its own, the cheapest
     "bypass": ["--algo.prox_mode", "bypass"],
 }
 # Not in the default grid (choose with --corrections): ESS-LR over recompute's π_prox = π_V, whose weights
@@ -66,7 +66,7 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "TIS + ESS-LR (recompute)": TIS + ["--algo.ess_lr_enable"],
     "TIS + EWMA auto": TIS
     + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch", "--algo.prox_ewma_decay", "auto"],
-    # The beta sweep of issue 15 §3 (β = 0.9 is "TIS + EWMA" above)
+    # The beta sweep (β = 0.9 is "TIS + EWMA" above)
     "TIS + EWMA β=0.3": TIS
     + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "batch", "--algo.prox_ewma_decay", "0.3"],
     "TIS + EWMA β=0.6": TIS
@@ -74,7 +74,7 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     # No correction, but through our controllers, which tag every token's version (the lag is logged; a bound
     # no token reaches masks nothing): separates a correction's effect from the controllers' queueing
     "none, lag logged": ["--algo.max_version_lag", "1000"],
-    # The other π_prox modes (issue 22 §1: every correction where uncorrected async overshoots)
+    # The other π_prox modes (every correction where uncorrected async overshoots)
     "TIS + interrupt": TIS + ["--algo.prox_mode", "interrupt"],
     "TIS + dedicated": TIS + ["--algo.prox_mode", "dedicated", "--algo.prox_dedicated_num_gpus", "0.2"],
     "TIS + loglinear": TIS + ["--algo.prox_mode", "loglinear"],
@@ -95,7 +95,7 @@ STALENESS: Dict[str, List[str]] = {
     "async q1 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "1"],
     "async q4 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "4"],
 }
-# Not in the default grid: the other queue depths of issue 22's sweep (q8 also served the regime search)
+# Not in the default grid: the other queue depths of the target task's sweep (q8 also served the regime search)
 for _q in (2, 8, 16):
     STALENESS[f"async q{_q} + partial"] = STALENESS["async q1 + partial"][:-1] + [str(_q)]
 STALENESS = {k: STALENESS[k] for k in sorted(STALENESS, key=lambda k: -1 if k == "sync" else int(k[7:].split()[0]))}
@@ -668,7 +668,7 @@ def main() -> None:
         choices=TASKS,
         default="digits",
         help="digits: reward = digit fraction (monotone); target: reward peaks at a digit fraction of 0.5 "
-        "(tiny/reward_target.py, issue 22), where stale samples can push the policy past the optimum",
+        "(tiny/reward_target.py), where stale samples can push the policy past the optimum",
     )
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "staleness"))
     parser.add_argument("--workdir", default=None, help="where runs are written (default: a new temp dir)")

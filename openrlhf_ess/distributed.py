@@ -1,4 +1,4 @@
-"""Every collective openrlhf-ess issues goes through this module (shared/DESIGN.md §7).
+"""Every collective openrlhf-ess issues goes through this module.
 
 On GPU clusters the default process group is NCCL, which takes only tensors on the current CUDA device:
 a CPU tensor fails with "No backend type associated with device type cpu" — on every recipe, at the first

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for a single CUDA machine (issue 12, docs/gpu_check.md): the GPU checks of tests/gpu/ (pytest -m gpu),
+# One command for a single CUDA machine (docs/gpu_check.md): the GPU checks of tests/gpu/ (pytest -m gpu),
 # each test PASS / FAIL / SKIP with numbers, a short report at the end, JSON in $OUT/gpu_check.json (else
 # ./gpu_check.json) and JUnit XML in gpu_check.xml next to it. Exit code 1 iff a test FAILed. Never touches the
 # network. The runner (tests/gpu/runner.py) runs one pytest process per test module, under a time budget.
@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh                     # CUDA: pytest -m gpu tests/gpu
 #   bash scripts/gpu_check.sh --device cpu        # the CPU variants (gloo), as the default suite runs them
 #   bash scripts/gpu_check.sh --checks 1,2        # arguments pass through to python -m tests.gpu.runner (--help)
-#   bash scripts/gpu_check.sh --checks 5,6,7,8    # issue 20's self-checks and the mask / scoring maths: torch and
+#   bash scripts/gpu_check.sh --checks 5,6,7,8    # the start-up self-checks and the mask / scoring maths: torch and
 #                                                 # transformers only (no DeepSpeed, OpenRLHF, Ray or vLLM)
 #
 # Missing packages (DeepSpeed, OpenRLHF and their small pure-python needs) come from a wheel folder, if there is

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README, CI): set up ./.venv if needed, lint, then the tests (docs/tests.md).
 #   bash scripts/test.sh            # the gate CI runs: the default suite, then the stack tier (measured: docs/tests.md)
+#   bash scripts/test.sh --fast     # the inner loop: maths, config, pre-flight, units (no Ray, CLI, engine or ranks)
 #   bash scripts/test.sh --default  # the default suite only (the fault tests inside)
 #   bash scripts/test.sh -m slow    # any pytest arguments: one pytest command with them (e.g. -m slow, -m stack, a file)
 # Every command runs on two pytest-xdist workers (--dist loadgroup): the tests that start a Ray instance or the CLI
@@ -11,6 +12,10 @@ source scripts/env_cpu.sh
 ruff check openrlhf_ess tests benchmarks # lint (ruff.toml: upstream's 119 columns)
 ruff format --check openrlhf_ess tests benchmarks
 PYTEST=(python -m pytest -ra -n 2 --dist loadgroup)
+if [ "${1:-}" = "--fast" ]; then  # markers declared in pytest.ini
+    shift
+    exec "${PYTEST[@]}" -m "not slow and not gpu and not stack and not real_stack and not engine" "$@"
+fi
 if [ "$#" -gt 0 ] && [ "$1" != "--default" ]; then
     exec "${PYTEST[@]}" "$@"
 fi

@@ -1,6 +1,7 @@
 """Shared fixtures: the offline tiny world, built once per test session under pytest's temp dir; the
 session-wide check that every process the tests start ends with them (tests/helpers/leak_check.py); and the
-one-at-a-time group of the tests that start a Ray instance or the CLI (:func:`pytest_collection_modifyitems`)."""
+one-at-a-time group of the tests that start a Ray instance or the CLI, declared with ``@pytest.mark.real_stack``
+(:func:`pytest_collection_modifyitems`)."""
 
 import ast
 import atexit
@@ -12,7 +13,7 @@ import tempfile
 
 import pytest
 
-# The session-wide check that no process a test started outlives the session (issue 21, item 12): pytest hooks.
+# The session-wide check that no process a test started outlives the session: pytest hooks.
 from tests.helpers.leak_check import (  # noqa: F401
     pytest_runtest_logfinish,
     pytest_runtest_logstart,
@@ -43,13 +44,14 @@ def tiny_world(tmp_path_factory):
 
 # ---- two workers, one real stack at a time (scripts/test.sh runs the suite with pytest-xdist -n 2 --dist loadgroup)
 #
-# A test that starts a Ray instance, the CLI or a Ray cluster joins the xdist group "real-stack": the group's tests run
-# one after the other on one worker while the other worker takes the rest. Two private Ray instances at once would
-# contend for fixed ports (the dashboard agent's 52365) and, on 2 cores, slow each other as much as they overlap
-# (docs/tests.md); a test of the rest (pure Python, an in-process vLLM engine, DeepSpeed ranks over gloo) uses about
-# one core, and a real-stack run leaves part of the second idle. Found from the source, so a new test lands in the
-# group by itself: the test function, the module's functions and scripts (strings) it names (two levels), and the
-# fixtures it requests.
+# A test that starts a Ray instance, the CLI or a Ray cluster is marked ``real_stack`` (a ``stack``-tier test is one
+# too) and joins the xdist group "real-stack": the group's tests run one after the other on one worker while the other
+# worker takes the rest. Two private Ray instances at once would contend for fixed ports (the dashboard agent's
+# 52365) and, on 2 cores, slow each other as much as they overlap (docs/tests.md); a test of the rest (pure Python, an
+# in-process vLLM engine, DeepSpeed ranks over gloo) uses about one core, and a real-stack run leaves part of the
+# second idle. The group is declared; the source is read only to refuse a test that starts one without the mark
+# (:func:`starts_real_stack`: the test function, the module's functions and scripts (strings) it names (two levels),
+# and the fixtures it requests).
 REAL_STACK = re.compile(
     r"\brun_cli|[\"']openrlhf_ess\.cli\.train_ppo_ray[\"']|\blocal_ray\b|\bray_cluster\b|\bray\.init\(|\binit_ray\("
 )
@@ -100,11 +102,27 @@ def starts_real_stack(item) -> bool:
     return any(REAL_STACK.search(text) for text in texts)
 
 
+def in_real_stack_group(item) -> bool:
+    """Declared: marked ``real_stack``, or ``stack`` (every stack-tier test runs the CLI)."""
+    return item.get_closest_marker("real_stack") is not None or item.get_closest_marker("stack") is not None
+
+
+def undeclared(items) -> list:
+    """The ids of the tests that start a Ray instance or the CLI (read from their source) without the mark."""
+    return [item.nodeid for item in items if not in_real_stack_group(item) and starts_real_stack(item)]
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own
 def pytest_collection_modifyitems(config, items):
+    missing = undeclared(items)
+    if missing:
+        raise pytest.UsageError(
+            "these tests start a Ray instance or the CLI but are not marked @pytest.mark.real_stack (two at once on "
+            "two workers contend for Ray's fixed ports; tests/conftest.py): " + ", ".join(missing[:10])
+        )
     grouping = getattr(config.option, "loadgroup", False)  # an xdist worker under --dist loadgroup
     for item in items:
-        if starts_real_stack(item):
+        if in_real_stack_group(item):
             item.add_marker(pytest.mark.xdist_group(REAL_STACK_GROUP))
             if grouping:
                 # xdist's scheduler reads the group from the suffix "@<group>" of the test's id, which xdist 3.8 sets

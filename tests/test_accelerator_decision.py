@@ -1,4 +1,4 @@
-"""The run's accelerator is decided from the Ray cluster, not the driver (issue 20, item 7).
+"""The run's accelerator is decided from the Ray cluster, not the driver.
 
 A CPU-only head node, or ``ray job submit`` (its driver gets ``CUDA_VISIBLE_DEVICES=""``), used to make a GPU
 cluster run in CPU mode: GPU recipes rejected, NCCL switched to reload, engines given a 1 GiB KV cache. Here a
@@ -19,6 +19,7 @@ def _args(address, accelerator="auto"):
     return types.SimpleNamespace(ray=types.SimpleNamespace(address=address, accelerator=accelerator))
 
 
+@pytest.mark.real_stack
 def test_gpu_cluster_seen_from_a_driver_without_cuda(monkeypatch):
     from openrlhf_ess import config
     from openrlhf_ess.cli import train_ppo_ray as cli

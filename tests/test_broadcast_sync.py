@@ -1,4 +1,4 @@
-"""Upstream's broadcast weight sync, the path every GPU user takes, run on CPU (issue 12).
+"""Upstream's broadcast weight sync, the path every GPU user takes, run on CPU.
 
 ``--vllm.sync_backend nccl`` on a GPU runs upstream's code end to end: ``_init_vllm_sync_group`` (a
 StatelessProcessGroup + vLLM's PyNcclCommunicator between actor rank 0 and every engine worker),
@@ -61,6 +61,7 @@ def _communicator_rank(rank: int, ports: dict, world_size: int, out) -> None:
     out.put((rank, f"{upstream_fn.__module__}.{upstream_fn.__name__}", results))
 
 
+@pytest.mark.engine
 def test_gloo_communicator_stands_in_for_pynccl():
     """Upstream's ``stateless_init_process_group`` (a trainer + two engine workers, three processes) returns the
     gloo stand-in, whose ``broadcast`` delivers bf16 and fp32 tensors from rank 0; in fault mode the receivers'
@@ -210,6 +211,7 @@ def test_broadcast_that_drops_the_data_fails_the_sync_check(tiny_world, tmp_path
     assert "Global step 2" not in log  # no training on rollouts from the garbage weights
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_broadcast_sync_zero2_bf16(tiny_world, tmp_path):
     """The plainest GPU configuration (synchronous PPO, ZeRO-2, bf16 on both sides) with upstream's broadcast:
@@ -223,6 +225,7 @@ def test_broadcast_sync_zero2_bf16(tiny_world, tmp_path):
     _check_sync_metrics(scalars, canary_tol=0.05)
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, extra",

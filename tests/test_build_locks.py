@@ -1,4 +1,4 @@
-"""Stale torch extension build locks (runtime/build_locks.py, issue 21 item 11): a run killed while DeepSpeed
+"""Stale torch extension build locks (runtime/build_locks.py): a run killed while DeepSpeed
 JIT-builds its shm comm op leaves ``<op>/lock``, on which every later run waits forever (torch's FileBaton). The
 builder is simulated by a child process that takes the lock with torch's own FileBaton, as cpp_extension.load
 does, and is SIGKILLed (or kept alive) by this test; every child is ended by its PID."""
@@ -21,6 +21,8 @@ HOLD = (
     "import sys, time\nfrom torch.utils.file_baton import FileBaton\n"
     "assert FileBaton(sys.argv[1]).try_acquire()\nprint('held', flush=True)\ntime.sleep(600)\n"
 )
+
+pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
 
 
 @pytest.fixture

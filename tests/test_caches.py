@@ -1,4 +1,4 @@
-"""Issue 30, item 11: a HOME the run cannot write (openrlhf_ess/runtime/caches.py). Before the fix ``import deepspeed``
+"""A HOME the run cannot write (openrlhf_ess/runtime/caches.py). Before the fix ``import deepspeed``
 (through our CLI's first import) raised FileNotFoundError / OSError from ``os.makedirs(~/.triton/autotune)``
 with no line of ours. A folder under /proc stands in for a read-only HOME: nothing can be created there, for root
 too (as on a read-only mount), which mode bits cannot arrange for root."""
@@ -46,6 +46,7 @@ def test_a_writable_home_or_a_set_variable_changes_nothing(monkeypatch, tmp_path
     assert env == {"TRITON_CACHE_DIR": "/mine/triton", "VLLM_CACHE_ROOT": "/mine/vllm"}
 
 
+@pytest.mark.engine
 @pytest.mark.before_ray  # the CLI stops before Ray: no need to wait for the real-stack group
 def test_the_cli_starts_with_an_unwritable_home():
     """The CLI's imports (DeepSpeed creates Triton's autotune folder at import) and its --help, as a user with a

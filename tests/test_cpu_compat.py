@@ -72,6 +72,7 @@ def test_after_import_runs_once_the_module_has_run_before_its_importer_continues
             sys.modules.pop(name, None)
 
 
+@pytest.mark.engine
 def test_upstream_modules_import_only_with_the_shim():
     # One fresh process (each import of the stack costs ~9 s of CPU): the bare import fails on flash_attn, then the
     # same import after apply() succeeds (a failed import leaves no half-made module behind to pass by accident).

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

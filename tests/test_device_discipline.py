@@ -1,4 +1,4 @@
-"""Device discipline (issue 12, shared/DESIGN.md §7): every collective of ours takes tensors on the collective
+"""Device discipline: every collective of ours takes tensors on the collective
 device, as NCCL requires, checked on CPU with the virtual accelerator of ``tests/helpers/strict_device.py``."""
 
 import ast
@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.ports import free_port
 from tests.helpers.strict_device import COLLECTIVES
+
+pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "openrlhf_ess")

@@ -22,11 +22,11 @@ def _ray_processes_left(run_dir):
 def _check_run(run_dir, rc, log, steps, tracked=True):
     """``tracked``: the run was started by run_cli (its processes and /dev/shm files were followed: LAST_RUN)."""
     assert rc == 0, log[-6000:]
-    # quiet success (issue 16): no traceback, no "Exception ignored in ActorHandle.__del__" at teardown
+    # quiet success: no traceback, no "Exception ignored in ActorHandle.__del__" at teardown
     # (worker_hook.py::setup_worker), no vLLM rotary-cache reload warning at each sync (openrlhf_ess/runtime/quiet.py)
     assert "Traceback" not in log and "Exception ignored" not in log, log[-6000:]
     assert "Failed to load weights" not in log, [line for line in log.splitlines() if "Failed to load weights" in line]
-    # the start-up self-checks ran and passed (issue 20): placement, collectives, memory (not measured on CPU)
+    # the start-up self-checks ran and passed: placement, collectives, memory (not measured on CPU)
     passed = "start-up self-check passed: placement:" in log and "collectives: all-reduce + all-gather" in log
     assert passed, log[-6000:]
     import time
@@ -37,7 +37,7 @@ def _check_run(run_dir, rc, log, steps, tracked=True):
     assert not _ray_processes_left(run_dir), "the CLI left processes of its Ray instance behind"
     if tracked:
         assert not LAST_RUN["leftovers"], LAST_RUN["leftovers"]  # tracked by PID: the whole tree, not only Ray's
-        # no /dev/shm residue (issue 21, item 4): vLLM's psm_* queues and multiprocessing's sem.mp-* that the run's
+        # no /dev/shm residue: vLLM's psm_* queues and multiprocessing's sem.mp-* that the run's
         # processes were seen using are gone (the CLI removes what they leave; others' files are never counted)
         assert not LAST_RUN["shm_left"], f"/dev/shm files of the run left behind: {LAST_RUN['shm_left']}"
     scalars = read_tensorboard(run_dir)
@@ -94,6 +94,7 @@ def test_sync_run_writes_tensorboard_and_wandb(tiny_world, tmp_path):
     assert os.path.getsize(runs[0]) > 0
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_async_run(tiny_world, tmp_path):
     run_dir = str(tmp_path)
@@ -109,7 +110,7 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     flags += ["--algo.kl.use_loss", "--algo.kl.estimator", "k3", "--algo.kl.off_policy_k2_enable"]
     flags += ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"]
     flags += ["--vllm.fp32_lm_head"]  # vLLM's fp32 head in the bf16 engine, checked in its worker at start-up
-    flags += ["--algo.advantage.baseline", "opob"]  # with ESS-LR: VCPO in full (issue 28)
+    flags += ["--algo.advantage.baseline", "opob"]  # with ESS-LR: VCPO in full
     args = tiny_args(tiny_world, run_dir, steps_prompts=24, compiled=True)
     args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
     wandb = ["--logger.wandb.key", "offline-" + "0" * 32]
@@ -163,6 +164,7 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     assert [v for _, v in scalars["train/prox/masked_missing_tokens"]] == [0.0] * 3
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ewma", "loglinear"])
 def test_async_partial_approximate_prox(tiny_world, tmp_path, mode):
@@ -175,6 +177,7 @@ def test_async_partial_approximate_prox(tiny_world, tmp_path, mode):
         assert "train/prox/extra_forward_seconds" in scalars
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_deepspeed_launcher(tiny_world, tmp_path):
     # `deepspeed --module` appends --local_rank and sets CUDA_VISIBLE_DEVICES=0 even on a CPU machine.
@@ -183,6 +186,7 @@ def test_deepspeed_launcher(tiny_world, tmp_path):
     _check_run(run_dir, rc, log, steps=2)
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_ray_job_submit(tiny_world, tmp_path):
     """`ray job submit` against a local cluster this test starts on loopback and stops (by PID). Its GPUs are
@@ -229,6 +233,7 @@ def test_ray_job_submit(tiny_world, tmp_path):
         assert "accelerator: cpu (the cluster at auto declares GPUs but none" in log_text
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_corrupt_weight_sync_stops_the_run(tiny_world, tmp_path):
     """A sync that leaves the engine on wrong weights (injected: noise loaded instead of the weights) is
@@ -258,7 +263,7 @@ def test_weight_sync_difference_below_canary_tolerance_is_named(tiny_world, tmp_
 
 @pytest.mark.stack
 def test_startup_canary_stops_an_engine_that_computes_another_function(tiny_world, tmp_path):
-    """The start-up self-check's engine canary (issue 20) before the first rollout: the bf16 engine and the bf16
+    """The start-up self-check's engine canary before the first rollout: the bf16 engine and the bf16
     trainer differ by rounding (~1e-2 nats here), so a tolerance of 1e-9 makes it fire, as an engine with another
     LM head or kernels would at the default; the run stops before training, naming the contract and the flags."""
     run_dir = str(tmp_path)
@@ -280,6 +285,7 @@ def reward_func(queries, prompts, labels):
 """
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["drop", "stop"])
 def test_reward_function_failure_policy(tiny_world, tmp_path, policy):

@@ -1,4 +1,4 @@
-"""The CLI end to end at more than one process per role (issue 12): two actor ranks under ZeRO-3, and a run
+"""The CLI end to end at more than one process per role: two actor ranks under ZeRO-3, and a run
 with a reference model and a critic, each with our corrections on. Every feature's metrics reach tensorboard
 at every step; the ESS and TIS numbers are recomputed from the audit trail, independently of the code under test."""
 

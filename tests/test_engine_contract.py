@@ -1,4 +1,4 @@
-"""The sampling mask's engine contract (issue 20, item 2): the engine reports k_t, not vLLM's own rank.
+"""The sampling mask's engine contract: the engine reports k_t, not vLLM's own rank.
 
 vLLM 0.29's default GPU runner (Model Runner V2) never runs the V1 ``Sampler`` our patch replaces; the rank it
 returns is the sampled token's rank inside the kept set. No CPU engine runs V2, so the check the engine runs at
@@ -47,7 +47,7 @@ def test_a_patch_that_never_ran_fails_even_when_ranks_look_right():
 
 
 def test_a_mask_that_kept_more_than_it_sampled_from_fails():
-    """Issue 29, item 7: the lower bound alone accepted k_t = V (a mask that kept the whole vocabulary) and counts
+    """The lower bound alone once accepted k_t = V (a mask that kept the whole vocabulary) and counts
     that are mostly above K; a few ties above K (vLLM's PyTorch path keeps tied boundary values) still pass."""
     with pytest.raises(EngineContractError, match=r"kept counts up to 50 .*vocabulary 50"):
         check_kept_count_contract([3] * 7 + [50], CONTRACT_TOP_K, [8], vocab=50)

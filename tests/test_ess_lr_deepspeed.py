@@ -16,6 +16,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LR = 1e-3
 SCALE = math.sqrt(9 / 13)  # hand-derived, see module docstring

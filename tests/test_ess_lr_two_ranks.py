@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers.ports import free_port
 
+pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -55,10 +55,11 @@ def _check_fail_fast(run, marker):
     assert run.ended_at - os.stat(marker).st_mtime < 60
     # the dead engine's vLLM processes (EngineCore, its worker) went with it: nothing of the run is left
     assert not run.leftovers, run.leftovers
-    # nor their shared memory (issue 21, item 4): the killed engine's psm_*/sem.mp-* files, removed by the CLI
+    # nor their shared memory: the killed engine's psm_*/sem.mp-* files, removed by the CLI
     assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
 
 
+@pytest.mark.real_stack
 def test_engine_killed_mid_rollout_fails_fast(tiny_world, tmp_path):
     """Sync training (upstream's controller): the engine is SIGKILLed (as by the OOM killer) while the
     first rollout's requests are in flight."""
@@ -67,6 +68,7 @@ def test_engine_killed_mid_rollout_fails_fast(tiny_world, tmp_path):
     assert "Global step" not in run.log  # died in the first rollout: no training step happened
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_engine_killed_during_async_partial_training_fails_fast(tiny_world, tmp_path):
     """Async + partial rollouts (our controllers): the engine dies in the second rollout (40th reward), which
@@ -117,9 +119,10 @@ def reward_func(queries, prompts, labels):
 """
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_reward_sys_exit_stops_the_run_with_the_file_named(tiny_world, tmp_path):
-    """A reward function that calls sys.exit() from its 3rd call on (issue 21, item 8). Upstream's executor lets
+    """A reward function that calls sys.exit() from its 3rd call on. Upstream's executor lets
     SystemExit out of the engine actor's event loop and the run hangs forever with no line; ours catches it in
     the reward's thread, and the run stops (--reward.failure_policy off) with our last line naming the file."""
     run_dir = str(tmp_path)
@@ -170,14 +173,15 @@ SIGNAL_POINTS = {
 }
 
 
+@pytest.mark.real_stack
 @pytest.mark.parametrize(
     "case", [c if not c.startswith("SIGINT") else pytest.param(c, marks=pytest.mark.slow) for c in SIGNAL_POINTS]
 )
 def test_a_signalled_run_cleans_up_at_any_point(tiny_world, tmp_path, capsys, case):
-    """Issues 21 (item 4) and 32: a run signalled at a point of its own progress (while Ray starts, as its vLLM
+    """A run signalled at a point of its own progress (while Ray starts, as its vLLM
     engine comes up; to the CLI alone or to its whole process group; mid-step and mid-save: tests/test_resume.py)
     says it is stopping, exits with 128 + the signal's number, removes the /dev/shm files its processes used and
-    leaves no process (:func:`tests.helpers.faults.assert_stopped_by_signal`). Before issue 32, a SIGTERM after
+    leaves no process (:func:`tests.helpers.faults.assert_stopped_by_signal`). Before our handler, a SIGTERM after
     ray.init() reached Abseil's handler (Ray's core worker), which aborts the driver 3 s later (exit 134) with the
     clean-up unfinished, depending on timing. Files are attributed to the run by the processes seen using them, so
     other runs on the machine (which change the global count, printed) are not counted."""
@@ -195,6 +199,7 @@ def test_a_signalled_run_cleans_up_at_any_point(tiny_world, tmp_path, capsys, ca
 # ---------------------------------------------------------------- 2. edge inputs through the CLI
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_edge_inputs_train_to_the_end(tiny_world, tmp_path):
     """One run: prompts longer than --data.max_len, responses that reach --rollout.max_new_tokens and

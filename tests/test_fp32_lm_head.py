@@ -1,4 +1,4 @@
-"""--vllm.fp32_lm_head: vLLM's own fp32 LM head in the engines, and its start-up check (issue 23 §5).
+"""--vllm.fp32_lm_head: vLLM's own fp32 LM head in the engines, and its start-up check.
 
 The flag's pre-flight rejections are rows of docs/bad_inputs.md (tests/test_config.py); the real actor's
 start-up check runs in tests/test_e2e_cli.py::test_async_partial_run_with_all_corrections; the mismatch it

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and its runner (tests/gpu/runner.py, issue 12): the report's structure (JSON, JUnit XML,
+"""scripts/gpu_check.sh and its runner (tests/gpu/runner.py): the report's structure (JSON, JUnit XML,
 the short report), the exit code, the missing-packages case, no CUDA device, the wheel folder. The checks themselves
 are the tests of tests/gpu/ (their CPU variants run in the default suite); here the runner runs cheap ones in its
 CPU variant (--device cpu: pytest -m "not gpu", one pytest process per unit)."""
@@ -159,6 +159,7 @@ def _wheel(folder, name="gpu_check_probe", version="0.0.1"):
     return path
 
 
+@pytest.mark.engine
 def test_wheel_folder_is_installed_offline_and_a_broken_one_fails(tmp_path):
     folder, site = tmp_path / "wheels", tmp_path / "site"
     _wheel(str(folder))

@@ -204,6 +204,7 @@ def test_quick_run_writes_its_results(tmp_path):
     assert results["seconds"] < 60
 
 
+@pytest.mark.engine
 def test_quick_run_with_the_real_engine_sampling_stale_batches(tmp_path):
     """--sampler vllm-fp32: the stale batches come from the real vLLM CPU engine, its weights set to θ_{N−L}
     through the package's sync path at each lag. In fp32 its μ matches the separate HF forward at θ_{N−L}

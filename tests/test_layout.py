@@ -1,4 +1,4 @@
-"""The package's import graph has no circle (issue 31): every ``import``/``from`` of an ``openrlhf_ess`` module,
+"""The package's import graph has no circle: every ``import``/``from`` of an ``openrlhf_ess`` module,
 function-local ones included, read from the source with ``ast`` (nothing is imported)."""
 
 import ast
@@ -75,7 +75,7 @@ def test_no_import_circle_between_modules():
 
 def test_the_layout_map_names_every_top_level_room():
     """docs/layout.md's one-screen map names each top-level module and package of openrlhf_ess, and nothing that is
-    not there (issue 31, item 4): a room added or moved without the map fails here."""
+    not there: a room added or moved without the map fails here."""
     doc = open(os.path.join(os.path.dirname(ROOT), "docs", "layout.md")).read()
     block = doc.split("```")[1]
     rooms = [line.split()[0] for line in block.splitlines() if line.startswith("  ") and line[2] != " "]

@@ -1,4 +1,4 @@
-"""The session-wide leak check (tests/helpers/leak_check.py, issue 21 item 12) fails a session whose test left a
+"""The session-wide leak check (tests/helpers/leak_check.py) fails a session whose test left a
 process running, names it and the test, and ends it; a session whose tests end what they start passes. Each case is
 an inner pytest session in a subprocess; the leaked process writes its PID to a file, and this test ends it by that
 PID if it is still there (it never is when the check works)."""
@@ -12,6 +12,8 @@ import psutil
 import pytest
 
 from tests.helpers.e2e import REPO
+
+pytestmark = pytest.mark.engine  # inner pytest sessions in child processes: not in --fast
 
 # A process that daemonizes as a Ray daemon does: the child it forks is re-parented to init (not a child of pytest)
 # and writes its PID to argv[1] before the parent exits.

@@ -1,4 +1,4 @@
-"""The user's outputs on the real stack (issue 21, items 2, 3 and 10; docs/faults.md §6), in one sequence of runs:
+"""The user's outputs on the real stack (docs/faults.md §8), in one sequence of runs:
 
 1. a sync run (2 steps, a checkpoint after each) whose final save fails (a write failure injected into rank 0's
    save_pretrained with OPENRLHF_ESS_FAULT_FINAL_SAVE=EACCES, as an output folder that became unwritable makes it
@@ -22,12 +22,15 @@ import shutil
 import threading
 import time
 
+import pytest
+
 from openrlhf_ess.runtime import run_lock
 from openrlhf_ess.trainer import saving
 from tests.helpers.e2e import GPU_ENGINE_LAYOUT, tiny_args
 from tests.helpers.faults import run_cli_tracked
 
 
+@pytest.mark.real_stack
 def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tmp_path, capsys):
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
@@ -83,7 +86,7 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
         AutoModelForCausalLM.from_pretrained(fallback)  # a whole model
         assert sorted(os.listdir(output_dir)) == ["checkpoints"]  # no partial model, no staging, no lock
         assert not os.path.exists(os.path.join(ckpt, run_lock.LOCK_NAME)) and not run.leftovers
-        assert not run.shm_left, run.shm_left  # issue 30 item 3: /dev/shm as before the failed run
+        assert not run.shm_left, run.shm_left  # /dev/shm as before the failed run
         assert open(os.path.join(ckpt, "_actor", "latest")).read().strip() == "global_step2"
 
         # 3: the newest checkpoint cut short, then a resume
@@ -112,6 +115,7 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
             shutil.rmtree(fallback, ignore_errors=True)
 
 
+@pytest.mark.real_stack
 def test_a_failed_final_save_under_zero3_with_two_ranks_does_not_hang(tiny_world, tmp_path):
     """Under ZeRO-3 both ranks gather the weights, then rank 0 writes: its failure must not leave rank 1 waiting in
     upstream's closing barrier or in the fallback's gather (the ranks agree after each attempt)."""

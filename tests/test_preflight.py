@@ -1,4 +1,4 @@
-"""Pre-flight (openrlhf_ess/checks/preflight/): every input of a run checked in seconds, before Ray starts (issue 16).
+"""Pre-flight (openrlhf_ess/checks/preflight/): every input of a run checked in seconds, before Ray starts.
 
 The "Rejected in pre-flight" table of docs/bad_inputs.md is walked row by row on the tiny run of
 tests/helpers/e2e.py::tiny_args; FILES writes the files its rows name. Then: the tiny run passes (its time is
@@ -55,6 +55,7 @@ def test_tiny_run_passes_quickly(tiny_world, tmp_path, capsys):
     assert os.listdir(args.ckpt.output_dir) == []  # created, and the probe file removed
 
 
+@pytest.mark.engine
 @pytest.mark.before_ray  # the CLI stops before Ray: no need to wait for the real-stack group
 def test_cli_stops_before_ray_starts(tiny_world, tmp_path, capsys):
     """The real CLI with a bad prompt file: exit status 2 with our message, no Ray instance started."""

@@ -91,7 +91,7 @@ def test_100k_line_jsonl_is_read_fast(tiny_world, tmp_path, capsys):
     ],
 )
 def test_folder_count_is_what_upstream_reads(tiny_world, tmp_path, files, readable):
-    """Pre-flight's prompt count for a folder equals the rows upstream's blending_datasets loads from it (item 6);
+    """Pre-flight's prompt count for a folder equals the rows upstream's blending_datasets loads from it;
     a folder whose files the loader would partly skip (another format) is refused, naming them."""
     from types import SimpleNamespace
 
@@ -122,7 +122,7 @@ def test_folder_count_is_what_upstream_reads(tiny_world, tmp_path, files, readab
 
 def test_a_partial_last_rollout_is_named_with_the_fix(tiny_world, tmp_path):
     """12 prompts in rollouts of 8: the last rollout of each episode holds 4 prompts x 4 = 16 samples, half a
-    training batch of 32 (issue 30, item 7): a notice names it and the --data.max_samples that avoids it."""
+    training batch of 32: a notice names it and the --data.max_samples that avoids it."""
     notices = preflight.check(_args(tiny_world, tmp_path, ["--data.max_samples", "12"]))
     partial = [n for n in notices if "leave a last rollout" in n]
     assert len(partial) == 1 and "12 prompts leave a last rollout of 4 prompt(s)" in partial[0], notices

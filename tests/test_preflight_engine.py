@@ -14,7 +14,7 @@ from tests.helpers.preflight_inputs import (
 
 
 def test_the_vllm_version_is_named_and_an_untested_one_needs_the_self_checks(tiny_world, tmp_path):
-    """Issue 29's version contract: the installed release is named in pre-flight's line; one outside the tested
+    """The version contract: the installed release is named in pre-flight's line; one outside the tested
     series runs only with --selfcheck on (the engine contract proved at start-up), and says so."""
     args = _args(tiny_world, tmp_path)
     dist, version = preflight.engine.installed_vllm()

@@ -46,7 +46,7 @@ def test_infinity_where_it_means_no_bound(tiny_world, tmp_path):
 
 
 def test_temperature_floor_is_vllms():
-    """Below vLLM's floor the engine samples at the floor while the trainer divides by the flag's value (item 5):
+    """Below vLLM's floor the engine samples at the floor while the trainer divides by the flag's value:
     the floor pre-flight names is the installed vLLM's (vllm/sampling_params.py: _MAX_TEMP)."""
     from vllm import sampling_params
 

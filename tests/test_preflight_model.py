@@ -27,7 +27,7 @@ def _model_variant(world, folder, config=None, tokenizer_config=None):
 
 
 def test_model_max_len_is_what_vllm_accepts(tiny_world, tmp_path):
-    """--data.max_len is the engines' max_model_len (item 10): pre-flight's bound for a model is the longest vLLM's
+    """--data.max_len is the engines' max_model_len: pre-flight's bound for a model is the longest vLLM's
     ModelConfig accepts for it (one more is vLLM's '1 validation error for ModelConfig'), with RoPE scaling taken into
     account as vLLM does."""
     from vllm.config import ModelConfig

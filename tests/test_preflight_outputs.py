@@ -31,7 +31,7 @@ def test_checkpoint_folder_is_probed_only_when_saving(tiny_world, tmp_path):
 
 
 def test_a_wandb_root_may_hold_the_inputs_but_no_output_may_be_one(tiny_world, tmp_path, monkeypatch):
-    """Issue 21, item 1: WANDB_DIR (wandb writes only its wandb/ subfolder) may contain the model and prompts, as
+    """WANDB_DIR (wandb writes only its wandb/ subfolder) may contain the model and prompts, as
     WANDB_DIR=$HOME does; an output folder inside an input, or the input itself, is refused."""
     root = os.path.dirname(tiny_world["model"])
     monkeypatch.setenv("WANDB_DIR", root)
@@ -48,7 +48,7 @@ def test_a_wandb_root_may_hold_the_inputs_but_no_output_may_be_one(tiny_world, t
 
 
 def test_a_checkpoint_of_another_run_is_refused_before_ray_starts(tiny_world, tmp_path):
-    """Issue 30, item 4: the checkpoint `latest` names was written by a run of another model and prompt set; the
+    """The checkpoint `latest` names was written by a run of another model and prompt set; the
     resume names both and the fix. The same run's checkpoint (identity written by this run's flags) passes."""
 
     from openrlhf_ess.trainer import resume

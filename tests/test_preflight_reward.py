@@ -58,7 +58,7 @@ def test_reward_dry_call_sees_the_first_prompt_and_label(tiny_world, tmp_path):
     ["0.5", "torch.tensor([0.5])", "torch.tensor(0.5)", "[0.5]", "[torch.tensor(0.5)]", "1"],
 )
 def test_reward_values_training_can_use_pass(tiny_world, tmp_path, value):
-    """One number per query in any form upstream's torch.tensor([value]) accepts (item 9); scores None falls back
+    """One number per query in any form upstream's torch.tensor([value]) accepts; scores None falls back
     to rewards, as upstream does."""
     reward = tmp_path / "reward.py"
     reward.write_text(

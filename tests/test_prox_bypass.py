@@ -207,14 +207,14 @@ def _hf_check(audit: str, model_dir: str):
 
 @pytest.mark.stack
 def test_bypass_through_the_cli_is_exact_at_lag_0(tiny_world, tmp_path):
-    """Issue 13 item 9, on the real stack (vLLM CPU fp32 + DeepSpeed fp32, async + partial rollouts): the
+    """On the real stack (vLLM CPU fp32 + DeepSpeed fp32, async + partial rollouts): the
     π_prox the loss used is μ (no actor forward in make-experience), and μ equals HF's log-prob of each
     sampled token under the weights of that token's version to 1e-4; for lag-0 tokens those are the weights
     the batch's first optimizer step starts from, so its PPO ratio π_θ/π_prox is 1 to 1e-4 per token.
 
     Except the first response token: upstream samples it with EOS banned (min_tokens=1), so μ there is the
     renormalised log π(a) - log(1 - π(EOS)) (checked to 1e-4) and the ratio is 1 - π(EOS), a truncated support
-    that issue 13's sampling mask is to remove (docs/prox_modes.md)."""
+    that the sampling mask removes (docs/prox_modes.md, docs/sampling_mask.md)."""
     from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")

@@ -1,4 +1,4 @@
-"""--algo.prox_ewma_decay auto: β = age/(1+age) from the observed version lag (issue 15 §3), by hand numbers."""
+"""--algo.prox_ewma_decay auto: β = age/(1+age) from the observed version lag, by hand numbers."""
 
 import types
 
@@ -136,6 +136,7 @@ def test_flag_parses_auto_and_numbers_and_names_itself_when_wrong(tiny_world, ca
         cli.parse_args(_base(tiny_world) + ["--algo.prox_ewma_decay", "auto"])
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_auto_decay_through_the_cli(tiny_world, tmp_path):
     """Async queue 2 on the real stack: each step's logged β is lag/(1+lag) of the lag the step's batch had
@@ -158,7 +159,7 @@ def test_auto_decay_through_the_cli(tiny_world, tmp_path):
 
 
 def test_ewma_host_memory_is_one_fp32_copy_plus_one_parameter():
-    """Issue 20, item 8: the EWMA held three fp32 copies of the model on the host (the average, a full fp32 copy of
+    """The EWMA once held three fp32 copies of the model on the host (the average, a full fp32 copy of
     the live weights at every update, a full bias-corrected copy at every swap). Now: the average, plus one
     parameter at a time. Measured with torch's allocator events (tests/test_prox_scoring_memory.py)."""
     from benchmarks.common import peak_allocated_bytes
@@ -183,7 +184,7 @@ def test_ewma_host_memory_is_one_fp32_copy_plus_one_parameter():
     assert torch.allclose(ewma.state()["0.weight"], first, rtol=1e-6, atol=0)
 
 
-# ---- PPO-EWMA as Hilton et al. published it (--algo.prox_ewma_style hilton, issue 28) -----------------------
+# ---- PPO-EWMA as Hilton et al. published it (--algo.prox_ewma_style hilton) ---------------------------------
 
 
 def test_hilton_average_starts_at_theta0_with_weight_one_by_hand():
@@ -244,7 +245,7 @@ def test_hilton_flags_parse_and_prox_sources_start_from_the_initial_weights(tiny
 
 
 def test_the_default_ewma_style_is_hilton_s(tiny_world):
-    """Issue 28: at the same β, Hilton's published PPO-EWMA beat our batch style on both test rewards
+    """At the same β, Hilton's published PPO-EWMA beat our batch style on both test rewards
     (docs/staleness_target.md Parts 5 and 6), so it is the default; batch stays selectable."""
     from openrlhf_ess.cli import train_ppo_ray as cli
 

@@ -88,6 +88,7 @@ def audit_exactness(audit: str, model_dir: str, n_batches: int):
     return checked, stale_checked, mixed_responses, worst, recompute_gap
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("zero_stage", [0, 2])
 def test_snapshot_scores_each_token_with_its_version(tiny_world, tmp_path, zero_stage):
     res = _run(tiny_world, tmp_path, zero_stage=zero_stage, mode="snapshot")
@@ -106,6 +107,7 @@ def test_snapshot_scores_each_token_with_its_version(tiny_world, tmp_path, zero_
     assert m["prox/host_memory_mb"] > 0 and m["prox/missing_version_tokens"] == 0
 
 
+@pytest.mark.engine
 def test_zero3_snapshots_are_partitions_swapped_on_every_rank(tiny_world, tmp_path):
     """ZeRO-3, two ranks: each rank keeps only its partition of every version (host memory halves), the swap
     reaches both gathered-on-demand and persistent parameters, every token still gets its version's
@@ -144,6 +146,7 @@ def _independent_ewma(steps, beta=0.9):  # --algo.prox_ewma_decay default
     return {k: v / (1 - beta ** len(steps)) for k, v in avg.items()}
 
 
+@pytest.mark.engine
 def test_zero3_ewma_averages_partitions(tiny_world, tmp_path):
     """ZeRO-3, two ranks: each rank averages its own partition; swapped in together they are the EWMA of the
     full weights, computed here from the gathered weights after every optimizer step."""
@@ -160,6 +163,7 @@ def test_zero3_ewma_averages_partitions(tiny_world, tmp_path):
         assert torch.equal(res["after"], res["current"]) and res["storage_moved"] == []
 
 
+@pytest.mark.engine
 def test_ewma_scores_with_bias_corrected_average(tiny_world, tmp_path):
     res = _run(tiny_world, tmp_path, zero_stage=0, mode="ewma", ewma_style="batch")  # the default is hilton
     steps = res["step_states"]
@@ -180,6 +184,7 @@ def _independent_hilton_ewma(theta0, steps, beta=0.9):
     return {key: sum(w * s[key] for w, s in zip(weights, states)) / total for key in theta0}
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("ranks,zero_stage", [(1, 0), (2, 3)])
 def test_hilton_ewma_recomputes_prox_for_every_minibatch(tiny_world, tmp_path, ranks, zero_stage):
     """--algo.prox_ewma_style hilton: the π_prox each minibatch's loss uses is a forward of the EWMA of θ_0..θ_m as
@@ -209,11 +214,12 @@ def test_hilton_ewma_recomputes_prox_for_every_minibatch(tiny_world, tmp_path, r
         assert torch.equal(res["after"], res["current"]) and res["storage_moved"] == []
 
 
+@pytest.mark.real_stack
 @pytest.mark.parametrize(
     "mode, extra",
     [
         # the stack tier (pytest.ini), which CI runs after the default suite (scripts/test.sh). The default suite's
-        # exact-π_prox pipeline run (issue 31) is the resumed interrupt run of tests/test_resume.py's kill-and-resume
+        # exact-π_prox pipeline run is the resumed interrupt run of tests/test_resume.py's kill-and-resume
         # case, with this test's checks
         pytest.param("snapshot", [], marks=pytest.mark.stack, id="snapshot-extra0"),
         pytest.param("interrupt", [], marks=pytest.mark.stack, id="interrupt-extra1"),
@@ -277,6 +283,7 @@ def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_pa
     assert recompute_gap > 1e-3, "recompute would have been indistinguishable: the test could not fail"
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout", [[], ["--ds.zero_stage", "3", "--actor.num_gpus_per_node", "2"]], ids=["zero2", "zero3-2ranks"]
@@ -312,6 +319,7 @@ def test_ewma_state_survives_checkpoint_and_resume(tiny_world, tmp_path, layout)
         assert updates == float(step), resumed  # restored count; a fresh EWMA would restart at 1
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_killed_between_steps_resumes_exactly(tiny_world, tmp_path):
     """The job is killed (SIGKILL, whole process group) after its step-2 checkpoint; the same command run

@@ -1,4 +1,4 @@
-"""Scoring token streams at a sync under a memory budget (``prox.stream_log_probs``, issue 20 item 4).
+"""Scoring token streams at a sync under a memory budget (``prox.stream_log_probs``).
 
 At V = 151,936 (Qwen2's vocabulary) the full-vocabulary fp32 logits of 16 streams x T = 4096 are 40 GB, and
 the old scorer also held a temperature-scaled copy and a log-softmax copy. The scorer now runs the model body once
@@ -26,6 +26,8 @@ import torch  # noqa: E402
 from benchmarks.common import peak_allocated_bytes  # noqa: E402
 from openrlhf_ess.trainer import prox  # noqa: E402
 from tests.helpers.tiny_qwen2 import tiny_qwen2  # noqa: E402
+
+pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
 
 VOCAB = 151_936  # Qwen2's
 STOP = 2

@@ -1,6 +1,6 @@
 """Rank 0's rendezvous port is drawn outside the kernel's ephemeral range (trainer/ray/rendezvous.py).
 
-Stop 33's CI failed on EADDRINUSE: upstream's bind(("", 0)) port (44813, inside 32768-60999) was taken by another
+A CI run once failed on EADDRINUSE: upstream's bind(("", 0)) port (44813, inside 32768-60999) was taken by another
 socket before DeepSpeed's TCPStore bound it. Expected values here are written from the ranges by hand.
 """
 

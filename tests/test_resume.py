@@ -236,7 +236,7 @@ def _kill_point(kill_at, ckpt: str, audit: str):
     ``step`` complete (our sidecar written), between steps; "mid_step" = the batch of step ``step`` + 1 made (its
     audit file written), its update not yet begun; "mid_save" = DeepSpeed writing checkpoint ``step`` or done with
     it, our sidecar not yet written (its folder there, no sidecar). The signalled runs are held at their point
-    (:data:`HOLD_POINT`), so a look that comes late still finds them there (CI at 227e70e: a late look once found the
+    (:data:`HOLD_POINT`), so a look that comes late still finds them there (in CI a late look once found the
     run past its last step's save); the look fails if the run went past it."""
     point, step = kill_at
     folder = os.path.join(ckpt, "_actor", f"global_step{step}")
@@ -271,11 +271,12 @@ def _queue_files_in_ledgers(state) -> list:
     return names
 
 
+@pytest.mark.real_stack
 @pytest.mark.parametrize(
     "mode,kill_at,gen_batch,half_written,stop",
     [
         # exact mode; partial rollouts, one vLLM call per step; SIGKILL to the group: the engine in vLLM CPU's own
-        # layout, whose /dev/shm queues the SIGKILL leaves for the resumed run to sweep (issue 30, item 2)
+        # layout, whose /dev/shm queues the SIGKILL leaves for the resumed run to sweep
         ("interrupt", ("after_save", 1), None, False, "SIGKILL-group"),
         # exact; one vLLM call per 2 steps: prompts buffered at save; SIGTERM to the CLI alone mid-step (the run
         # held after step 2's batch was made until then)
@@ -302,7 +303,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     ``half_written``: after the kill the test truncates the newest checkpoint's weights file and deletes its
     sidecar (a kill during the save, simulated); the resume must load the previous one and say so.
 
-    SIGKILL (issue 30, item 2: a preempted job resubmitted on the same node): the first run's engine runs in vLLM
+    SIGKILL (a preempted job resubmitted on the same node): the first run's engine runs in vLLM
     CPU's own layout, whose message queues live in /dev/shm. SIGKILL runs nothing of ours, so the queue files its
     ledger names stay (the test fails if none did: it would prove nothing); the resumed run frees them at start-up,
     from that ledger, and says so, naming them; none is left, and both runs' ledgers are gone after it. Killed only
@@ -394,7 +395,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
 
     left = [name for name in recorded if os.path.exists(f"/dev/shm/{name}")]
     if sweep:
-        assert left, f"SIGKILL left none of {recorded} in /dev/shm: the sweep is not tested"  # as issue 30 found
+        assert left, f"SIGKILL left none of {recorded} in /dev/shm: the sweep is not tested"
     count = len(os.listdir("/dev/shm"))
 
     # same command; ended on any exit
@@ -432,7 +433,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
         checked, stale, mixed, worst, gap = audit_exactness(audit, tiny_world["model"], batches)
         assert checked > 50 and worst < 1e-4, (checked, worst)
     if mode == "interrupt":
-        # The resumed run is the default suite's exact-π_prox async pipeline run (issue 31): the checks of
+        # The resumed run is the default suite's exact-π_prox async pipeline run: the checks of
         # tests/test_prox_modes.py::test_exact_modes_through_the_whole_async_partial_pipeline, whose own interrupt run
         # is in the stack tier. Every stale token scored at the sync that retired its version, in-flight prefixes
         # included; recompute (the current weights) would differ, so the test can fail.
@@ -453,7 +454,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     )
 
 
-# ---- sync runs too; broken checkpoints; nothing to load (issue 21, items 7 and 10; no Ray) -------------------------
+# ---- sync runs too; broken checkpoints; nothing to load (no Ray) ---------------------------------------------------
 
 
 def _two_steps(ckpt: str, latest: str = "global_step2") -> str:
@@ -560,6 +561,7 @@ def test_no_checkpoint_found_says_where_it_looked(tmp_path, need_sidecar):
     assert "_actor holds no global_step* checkpoint and no latest file" in lines[0] and len(lines) == 1
 
 
+@pytest.mark.real_stack
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_cli_checks_the_checkpoint_before_ray_in_sync_and_async_runs(tmp_path, monkeypatch, capsys, mode):
     """Today's gap: a sync run with --ckpt.load_enable and a mistyped --ckpt.path said nothing and trained from
@@ -635,7 +637,7 @@ def test_a_checkpoint_that_passes_the_checks_but_does_not_load_names_ckpt_flags_
     assert "check that folder" not in message
 
 
-# ---- issue 30, items 4 and 5: `latest` is followed; another run's checkpoint is refused; rotation after the save
+# ---- `latest` is followed; another run's checkpoint is refused; rotation after the save
 
 
 def test_resume_follows_latest_and_sets_a_newer_folder_aside(tmp_path):

@@ -1,4 +1,4 @@
-"""The reward call of the single-turn executor (openrlhf_ess/utils/agent.py, issue 21 item 8): bounded by
+"""The reward call of the single-turn executor (openrlhf_ess/utils/agent.py): bounded by
 --reward.timeout_s, a BaseException inside it (sys.exit()) caught in its thread, a failure named with the file and
 handled by --reward.failure_policy; never a hang. Upstream's executor runs on a fake engine and tokenizer here;
 tests/test_faults.py::test_reward_sys_exit_stops_the_run_with_the_file_named runs the real stack."""
@@ -158,7 +158,7 @@ WRONG_COUNT_FROM_3RD = (
 
 
 def test_a_wrong_count_from_the_third_call_stops_the_run_naming_the_file(tmp_path):
-    """Issue 30, item 11: the pre-flight dry call sees one good reward; from its 3rd call the function returns two
+    """The pre-flight dry call sees one good reward; from its 3rd call the function returns two
     rewards for one query. Before: a raw shape error downstream with no word of the file. Now: the file, the call,
     what it returned and the rule."""
     path = _reward_file(tmp_path, WRONG_COUNT_FROM_3RD)

@@ -1,4 +1,4 @@
-"""One run per output folder (openrlhf_ess/runtime/run_lock.py; issue 21, item 2; docs/faults.md §6).
+"""One run per output folder (openrlhf_ess/runtime/run_lock.py; docs/faults.md §8).
 
 The holder is a real second process (a bare Python holding the lock, or the CLI with upstream's train() replaced by
 a sleep, so no Ray starts); every process a test starts is ended by its PID on every exit.
@@ -187,6 +187,7 @@ def _cli_script(argv):
     )
 
 
+@pytest.mark.engine
 def test_cli_refuses_a_second_run_at_once_and_before_ray(tiny_world, tmp_path, started, capsys):
     import ray
 
@@ -209,9 +210,10 @@ def test_cli_refuses_a_second_run_at_once_and_before_ray(tiny_world, tmp_path, s
         print(f"\nsecond run refused after {seconds:.1f} s (pre-flight included)")
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_the_lock_is_released_when_the_run_is_interrupted(tiny_world, tmp_path, started, sig):
-    """SIGINT, SIGTERM, SIGHUP before Ray started: the CLI removes its lock files on the way out (issue 32: our
+    """SIGINT, SIGTERM, SIGHUP before Ray started: the CLI removes its lock files on the way out (our
     SIGTERM/SIGHUP handler is in force from main()'s first line; before, SIGTERM here killed the process with no
     clean-up and left the files for the next run to take over), and exits with 128 + the signal's number."""
     argv = tiny_args(tiny_world, str(tmp_path)) + ["--ckpt.save_steps", "1"]

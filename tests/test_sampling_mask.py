@@ -1,4 +1,4 @@
-"""Log-probs under the engine's truncated (top-p / top-k) sampling distribution (DESIGN.md §6).
+"""Log-probs under the engine's truncated (top-p / top-k) sampling distribution (docs/sampling_mask.md).
 
 Unit tests of openrlhf_ess.models.sampling_mask against hand numbers and an independent
 computation, and the real vLLM CPU engine (fp32): HF logits + the engine-reported support size
@@ -65,7 +65,7 @@ def test_no_truncation_sentinels_and_forced_token():
 
 
 def test_ties_at_the_kth_value_are_trimmed_to_exactly_k_as_vllms_triton_kernel():
-    # issue 20, item 3: vLLM's Triton top-k/top-p (CUDA, batches >= 8) keeps exactly k, tied boundary values in
+    # vLLM's Triton top-k/top-p (CUDA, batches >= 8) keeps exactly k, tied boundary values in
     # vocabulary order; its PyTorch path keeps every tie and counts it in k_t (here: k_t = 3 keeps all three)
     logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
     assert support_mask(logits, torch.tensor([2])).tolist() == [[True, True, False, False]]
@@ -173,6 +173,7 @@ def _check_against_hf(tiny_world, data, key):
     return min_gap, torch.cat(kept_masses)
 
 
+@pytest.mark.engine
 def test_real_engine_top_p_support_from_processed_logprobs(tiny_world, tmp_path):
     # No engine change: logprobs=-1 under processed_logprobs; k_t = number of finite entries.
     data = _run_engine(tiny_world, tmp_path, "--top_p", "0.8", "--num_logprobs", "-1")
@@ -182,6 +183,7 @@ def test_real_engine_top_p_support_from_processed_logprobs(tiny_world, tmp_path)
     assert min_gap > 1e-3
 
 
+@pytest.mark.engine
 def test_real_engine_top_k_support_from_rank_patch(tiny_world, tmp_path):
     # Sampler-side patch (what a worker extension would install): k_t in the sampled token's rank, logprobs=0.
     data = _run_engine(tiny_world, tmp_path, "--top_k", "5", "--num_logprobs", "0", "--rank_patch")
@@ -299,7 +301,7 @@ def test_truncated_log_probs_hand_numbers_and_ties():
     lp, lz, sel = maths.truncated_log_probs(logits, torch.tensor([1, 1, 1]), torch.tensor([2, 0, -2]), (0,))
     assert lp.tolist() == pytest.approx([-1.3133, -1.4519, 1 - math.log(math.e + 1)], abs=1e-4)
     assert sel.tolist() == [True, False, True] and lz[0].item() == pytest.approx(-0.1387, abs=1e-4)
-    # exactly k tokens (issue 20, item 3): [3, 1, 1, 0] top-2 counts one of the tied 1s, whichever was sampled;
+    # exactly k tokens: [3, 1, 1, 0] top-2 counts one of the tied 1s, whichever was sampled;
     # a constant row with k = 1 keeps the sampled token alone
     tied = torch.tensor([[3.0, 1.0, 1.0, 0.0], [0.5, 0.5, 0.5, 0.5]])
     lp, _, _ = maths.truncated_log_probs(tied, torch.tensor([2, 2]), torch.tensor([2, 1]))

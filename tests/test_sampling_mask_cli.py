@@ -1,6 +1,6 @@
 """--algo.sampling_mask keep through the real stack (vLLM CPU fp32 + DeepSpeed fp32, async + partial rollouts).
 
-Issue 13 items 1–4 and 8: the expected log-probs are computed here, independently of the product's mask code:
+The expected log-probs are computed here, independently of the product's mask code:
 HF fp32 logits under each token's version (the audit trail's weights), divided by T, EOS set to -inf on the
 first response token (vLLM's min_tokens=1 ban, as upstream samples), then **vLLM's own**
 ``apply_top_k_top_p_pytorch`` cuts the support, and the log-softmax of what is left is the truncated policy.
@@ -70,6 +70,7 @@ def _run(tiny_world, tmp_path, flags):
     return run_dir, audit
 
 
+@pytest.mark.real_stack
 @pytest.mark.parametrize(
     "mode",
     [
@@ -148,6 +149,7 @@ def _reference_truncated(mb, model_dir: str, temperature: float, top_k: int):
     return out
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_top_k_mask_with_bypass_is_exact_at_lag_0(tiny_world, tmp_path):
     """top-k 5 with bypass (π_prox = μ), the mask and a KL loss: μ equals HF's truncated log-prob under each

@@ -1,4 +1,4 @@
-"""Memory of the trainer's truncated log-probs (--algo.sampling_mask keep; issue 20 item 6a), measured, not inferred.
+"""Memory of the trainer's truncated log-probs (--algo.sampling_mask keep), measured, not inferred.
 
 Under ``keep`` the actor's seam computes every log-prob with ``models/sampling_mask.truncated_log_probs`` instead
 of upstream's ``log_probs_from_logits``. Contract: the forward keeps no logits-sized tensor beyond what upstream's

@@ -195,7 +195,7 @@ def test_a_checkpoint_that_cannot_be_written_names_the_cause(open_dir):
         error = _as_unprivileged(lambda: torch.save({"w": 1}, str(folder / "mp_rank_00_model_states.pt")))
         assert isinstance(error, RuntimeError), error  # torch 2.13: "... open file failed with strerror: ..."
         ours = _as_unprivileged(lambda: saving.checkpoint_write_error(error, str(ckpt), "global_step1"))
-        parent = RuntimeError(f"Parent directory {folder} does not exist.")  # the wording: same diagnosis
+        parent = RuntimeError(f"Parent directory {folder} does not exist.")  # torch's other wording: same diagnosis
         ours_parent = _as_unprivileged(lambda: saving.checkpoint_write_error(parent, str(ckpt), "global_step1"))
     finally:
         os.chmod(folder, 0o755)

@@ -1,4 +1,4 @@
-"""Start-up self-checks (issue 20): each fires on the fault it exists for, with the contract and the fix named.
+"""Start-up self-checks: each fires on the fault it exists for, with the contract and the fix named.
 
 The faults are built the way the GPU cluster would show them: reports of two ranks on one physical device (what
 a worker hook that initialised CUDA produced), a collective that came back wrong, a rank with too little free
@@ -26,7 +26,7 @@ def _args(colocate_all=False, colocate_actor_ref=False, colocate_critic_reward=F
 
 
 def test_two_ranks_of_one_role_on_one_gpu_stop_the_run_with_the_table():
-    # issue 20 item 1 as a cluster shows it: both actor ranks report physical GPU 0 (same UUID)
+    # every actor on GPU 0, as a cluster shows it: both actor ranks report physical GPU 0 (same UUID)
     reports = {"actor": [_rank("GPU-0000", 11), _rank("GPU-0000", 12)], "reference": [_rank("GPU-1111", 13)]}
     with pytest.raises(SelfCheckError, match=r"(?s)placement.*GPU-0000: 2 ranks of actor: actor rank 0 \(pid 11"):
         selfcheck.check_placement(reports, _args(colocate_all=True))  # even colocate_all never shares one role
@@ -103,7 +103,7 @@ def test_a_rank_without_room_for_the_features_is_refused_naming_the_flag():
 
 
 def test_free_memory_counts_what_the_allocator_holds_unused(monkeypatch):
-    """Issue 29, item 8: mem_get_info() counts PyTorch's cached-but-unused blocks as taken; upstream's fit() empties
+    """mem_get_info() counts PyTorch's cached-but-unused blocks as taken; upstream's fit() empties
     the cache anyway, so they are free to the run. The GPU branch is driven with recorders of torch.cuda's answers:
     4 GiB free by the driver, 10 GiB reserved by the allocator of which 2 GiB allocated -> 12 GiB usable."""
     import torch

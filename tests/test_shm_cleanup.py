@@ -1,5 +1,5 @@
-"""/dev/shm files of a run, recorded while it runs and removed at its end (runtime/shm_cleanup.py, issue 21
-item 4). The run is simulated by a child process that does what vLLM's processes do: a SharedMemory message queue
+"""/dev/shm files of a run, recorded while it runs and removed at its end (runtime/shm_cleanup.py). The
+run is simulated by a child process that does what vLLM's processes do: a SharedMemory message queue
 unregistered from the resource tracker (vLLM's ShmRingBuffer: psm_*) and a spawn-context lock (sem.mp-*); it is
 killed with its process group, resource tracker included, as Ray ends an engine. Every child is ended by its PID
 (process group) on any exit. The real stack: tests/test_faults.py::test_a_signalled_run_leaves_no_shared_memory and
@@ -78,7 +78,7 @@ def test_files_their_owner_removed_are_not_reported(engine):
     assert watch.cleanup(wait_s=1) == []
 
 
-# ---- what SIGKILL leaves, swept by the next run (issue 30, item 2) ------------------------------------------------
+# ---- what SIGKILL leaves, swept by the next run ------------------------------------------------------------------
 
 
 def _dead_pid():
@@ -167,7 +167,7 @@ def test_the_state_folder_falls_back_when_home_is_read_only(tmp_path, monkeypatc
 
 
 def test_the_run_accounts_for_its_files_whether_it_removed_them_or_not():
-    """CI's stop 33: a group SIGTERM also reaches vLLM's processes, which sometimes unlink their queues before they
+    """Seen in CI: a group SIGTERM also reaches vLLM's processes, which sometimes unlink their queues before they
     die; the run then had nothing to remove and said nothing, so its clean-up could not be told from a missing one.
     The account is given once either way, and a later clean-up that does remove files still says so."""
     from openrlhf_ess.cli.train_ppo_ray import shm_account

@@ -1,4 +1,4 @@
-"""SIGTERM/SIGHUP in the driver, against real Ray (issue 32): our handler is in force from the first line of
+"""SIGTERM/SIGHUP in the driver, against real Ray: our handler is in force from the first line of
 main() to the last, whatever ray.init() installs, so the clean-up runs to its end however long it takes.
 
 A child process starts a private Ray instance (127.0.0.1, its own temp dir) and is signalled at a point of its own
@@ -79,8 +79,9 @@ def _run(mode: str):
     return proc.returncode, out.decode(errors="replace")
 
 
+@pytest.mark.real_stack
 def test_bare_ray_init_aborts_a_slow_clean_up_after_sigterm():
-    """The control (what issue 32 saw): after a bare ray.init, SIGTERM reaches Abseil's handler, which arms a
+    """The control (a run without our handler): after a bare ray.init, SIGTERM reaches Abseil's handler, which arms a
     3 s alarm; the 4 s clean-up is cut and the process aborts. If Ray stops doing this, this test says so."""
     rc, out = _run("bare")
     assert "*** SIGTERM received" in out, out[-3000:]
@@ -88,6 +89,7 @@ def test_bare_ray_init_aborts_a_slow_clean_up_after_sigterm():
     assert rc in (-signal.SIGABRT, 128 + signal.SIGABRT), (rc, out[-3000:])
 
 
+@pytest.mark.real_stack
 @pytest.mark.parametrize("mode", ["after", "inside", "sighup"])
 def test_our_handler_outlives_ray_init_and_the_clean_up_finishes(mode):
     """after: SIGTERM once ray.init has returned. inside: SIGTERM inside the ray_init() block, where Abseil's

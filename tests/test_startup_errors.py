@@ -1,4 +1,4 @@
-"""Start-up errors are named as start-up errors; an engine process death gets our paragraph (issue 16, item 3).
+"""Start-up errors are named as start-up errors; an engine process death gets our paragraph.
 
 Unit tests build Ray's own error objects (``RayTaskError`` one per caller, ``ActorDiedError`` from a creation
 task, vLLM's ``EngineDeadError``) as they reach the driver and check the message the CLI prints. One CLI run
@@ -276,6 +276,7 @@ def test_main_prints_our_line_last_and_exits_1(monkeypatch, capsys):
 # ---------------------------------------------------------------------------------- the real CLI
 
 
+@pytest.mark.real_stack
 def test_cli_names_a_corrupt_weights_file_as_a_start_up_error(tiny_world, tmp_path):
     """The model folder has config.json, a tokenizer and model.safetensors (pre-flight passes), but the weights
     file is cut in half: the first actor to load it fails; the CLI says start-up, the role and the flag."""
@@ -330,6 +331,7 @@ def reward_func(queries, prompts, labels):
 """
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_cli_engine_core_killed_mid_run_gets_our_paragraph(tiny_world, tmp_path):
     from tests.helpers.e2e import tiny_args
@@ -354,7 +356,7 @@ def test_cli_engine_core_killed_mid_run_gets_our_paragraph(tiny_world, tmp_path)
 
 
 def test_a_checkpoint_of_another_model_names_the_keys_that_differ():
-    """Issue 30, item 10: a checkpoint of a model of another depth and width (no identity file to refuse it in
+    """A checkpoint of a model of another depth and width (no identity file to refuse it in
     pre-flight) fails in PyTorch's load_state_dict; the start-up message keeps only the cause's first line, which
     cut the key lists off. The fix now counts them and names the first three of each kind, and names
     --actor.model_name_or_path. The error text is PyTorch's own, from a real mismatched load."""

@@ -1,12 +1,15 @@
-"""The suite's "real-stack" xdist group (tests/conftest.py::starts_real_stack): a test that starts a Ray instance or
-the CLI, directly, through a helper of its module, through a script it runs in a child or through a fixture, runs
-one at a time on one worker; the others do not join the group."""
+"""The suite's "real-stack" xdist group (tests/conftest.py): a test marked ``real_stack`` (or ``stack``) runs one at a
+time on one worker; the others do not join the group. A test that starts a Ray instance or the CLI, directly,
+through a helper of its module, through a script it runs in a child or through a fixture
+(:func:`starts_real_stack`), without the mark is refused at collection."""
 
 import importlib.util
 import textwrap
 import types
 
-from tests.conftest import starts_real_stack
+import pytest
+
+from tests.conftest import starts_real_stack, undeclared
 
 MODULE = """
 import pytest
@@ -81,6 +84,7 @@ def _item(function, fixtures=None, marked=True):
     )
 
 
+@pytest.mark.real_stack
 def test_the_group_is_found_from_the_source(tmp_path):
     m = _module(tmp_path)
     assert starts_real_stack(_item(m.test_direct))
@@ -107,6 +111,22 @@ def test_the_fault_tests_are_in_the_group():
     assert not starts_real_stack(_item(test_resume.test_a_half_written_checkpoint_is_never_loaded))
 
 
+@pytest.mark.real_stack  # its fake module's source names run_cli: the guard reads it so
+def test_a_test_that_starts_ray_without_the_mark_is_refused(tmp_path):
+    """The group is declared, and the source only guards it: an unmarked test that starts the CLI is named at
+    collection; marked ``real_stack`` or ``stack``, or one that starts nothing, passes."""
+    m = _module(tmp_path)
+
+    def item(function, marks=()):
+        got = _item(function, marked=False)
+        got.get_closest_marker = {name: object() for name in marks}.get
+        got.nodeid = function.__name__
+        return got
+
+    assert undeclared([item(m.test_direct), item(m.test_pure)]) == ["test_direct"]
+    assert undeclared([item(m.test_direct, ["real_stack"]), item(m.test_through_two_helpers, ["stack"])]) == []
+
+
 def test_a_cli_run_that_stops_before_ray_is_left_out_of_the_group():
     """Marked ``before_ray`` (the CLI stops before Ray starts, and the test asserts it): such a test need not wait
     for the real-stack group; unmarked, the same source would join it."""
@@ -131,6 +151,7 @@ def run_cli(name):  # a stand-in named like the real helper: the group is read f
         f.write(os.environ["PYTEST_XDIST_WORKER"])
 
 
+@pytest.mark.real_stack
 @pytest.mark.parametrize("i", range(4))
 def test_grouped(i):
     run_cli(f"grouped{i}")
@@ -143,6 +164,7 @@ def test_free(i):
 """
 
 
+@pytest.mark.real_stack
 def test_the_group_runs_on_one_worker_under_xdist(tmp_path):
     """pytest-xdist 3.8 under pytest 9.2 ignores the group unless the test's id carries it (tests/conftest.py): the
     grouped tests of a real two-worker run all ran on one worker."""

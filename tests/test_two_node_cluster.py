@@ -1,4 +1,4 @@
-"""A run across a two-node Ray cluster on this machine (issue 20): users outgrow one machine through Ray.
+"""A run across a two-node Ray cluster on this machine: users outgrow one machine through Ray.
 
 A head and a worker node started with `ray start` on 127.0.0.1, one logical GPU each, so upstream's placement
 puts the policy (DeepSpeed) on one node and the vLLM engine on the other; the driver sees no accelerator
@@ -29,6 +29,7 @@ def _actors(address):
     return [(a["class_name"], a["node_id"]) for a in json.loads(out.stdout)]
 
 
+@pytest.mark.real_stack
 @pytest.mark.slow
 def test_async_partial_interrupt_run_across_two_nodes(tiny_world, tmp_path):
     run_dir = str(tmp_path)

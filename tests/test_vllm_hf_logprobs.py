@@ -5,8 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

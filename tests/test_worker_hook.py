@@ -1,5 +1,5 @@
-"""Ray's worker set-up hook never initialises CUDA (issue 20, item 1), and the run's accelerator is the
-cluster's, not the driver's (item 7).
+"""Ray's worker set-up hook never initialises CUDA, and the run's accelerator is the
+cluster's, not the driver's.
 
 Why it matters: the hook runs in every Ray worker before Ray sets the actor's ``CUDA_VISIBLE_DEVICES``. One
 ``cuInit`` there (``torch.cuda.is_available()``, or importing DeepSpeed, whose accelerator probe calls
@@ -78,6 +78,7 @@ def test_worker_hook_makes_no_cuda_call_on_a_gpu_node(device_env):
         assert result["nvml"] >= 1  # the GPU node was recognised through NVML, not the CUDA runtime
 
 
+@pytest.mark.engine
 def test_worker_hook_applies_the_cpu_patches_on_a_cpu_run():
     """The same hook on a CPU run: it imports nothing heavy (Ray's queue and lock actors never import torch), and each
     patch is in place once its module is imported, for the importer too (``from ... import`` of a patched name)."""
@@ -160,7 +161,7 @@ def _wandb_env(tmp_path) -> dict:
 
 def test_wandb_service_ends_with_the_run_not_at_exit(tmp_path):
     """A Ray actor that logged to wandb ends without wandb's "Exception ignored in atexit callback ...
-    ConnectionResetError" (CI, stop 37). Ray SIGKILLs an ending actor's children before its atexit hooks run, and
+    ConnectionResetError" (seen in CI). Ray SIGKILLs an ending actor's children before its atexit hooks run, and
     wandb's service is one. Without the hook the service outlives ``finish()`` (the control: so the check below can
     fail); with it, ``finish()`` has ended it and nothing is left for the atexit hook or for Ray to kill."""
     env = _wandb_env(tmp_path)

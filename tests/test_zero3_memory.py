@@ -1,4 +1,4 @@
-"""Memory discipline under ZeRO-3 (issue 12, shared/DESIGN.md §7): the sync check, the weights a sync sends and
+"""Memory discipline under ZeRO-3: the sync check, the weights a sync sends and
 the π_prox weight swaps never hold more gathered than one parameter beyond what a normal forward holds.
 
 Before the fix the sync check and ``_synced_state`` opened ``GatheredParameters`` over every parameter: each rank
@@ -8,8 +8,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.ports import free_port
 from tests.test_device_discipline import REPO
+
+pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
 
 
 def test_zero3_passes_gather_one_parameter_at_a_time(tiny_world, tmp_path):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side by side on the tiny CPU world with the interior-optimum reward (issue 22; docs/staleness_target.md):
+# Side by side on the tiny CPU world with the interior-optimum reward (docs/staleness_target.md):
 # synchronous training, async training (queue 8, partial rollouts) without corrections, and the same async run
 # with the correction that did best there (bypass; with bypass the grid also runs sync + bypass). One seed each,
 # about 10 minutes on 2 cores.
@@ -7,7 +7,7 @@
 # Writes runs/compare/comparison.png (reward, digit fraction against its optimum, reward against wall-clock)
 # and runs/compare/results.md (final reward, overshoot, steps to the optimum, lag, rho, LR scale per run).
 # EPISODES=1 makes it a ~4-minute smoke run (8 steps per run: too short to show the overshoot).
-# Issue 28's methods: CORRECTED=VCPO (ESS-LR + the off-policy optimal baseline, sequence-level TIS), OPOB,
+# Other corrections: CORRECTED=VCPO (ESS-LR + the off-policy optimal baseline, sequence-level TIS), OPOB,
 # "VCPO + snapshot", "TIS + EWMA (Hilton)". None reached the goal at q8 (docs/staleness_target.md, Part 5):
 # bypass stays the default, the correction that ended closest to the optimum.
 set -euo pipefail

@@ -29,6 +29,12 @@ args=(
    --actor.num_gpus_per_node 1
    --vllm.num_engines 1
    --vllm.tensor_parallel_size 1
+   # start in seconds, not minutes: an eager engine (vLLM CPU's torch.compile warm-up took ~70 s of the demo's
+   # start, for a model this small) and a 64 MiB KV cache (the default 1 GiB took 5-11 s to zero; 64 MiB holds
+   # 65,536 tokens, far more than 32 sequences of 64). GPU recipes keep vLLM's defaults: compiled CUDA graphs and
+   # a KV cache sized by --vllm.gpu_memory_utilization.
+   --vllm.enforce_eager
+   --vllm.cpu_kv_cache_gb 0.0625
    --rollout.batch_size 8
    --rollout.n_samples_per_prompt 4
    --rollout.micro_batch_size 8

@@ -9,7 +9,7 @@ the checks; their time is logged). docs/gpu_path.md#start-up-self-checks lists t
 - **Placement**: every rank of every trainer role (actor, reference, critic, reward model) reports its node, its
   device (the physical GPU's UUID on CUDA; Ray's logical GPU id on CPU) and ``torch.cuda.current_device()``.
   Two ranks of one role on one device, or two roles on one device that no ``--train.colocate_*`` flag put
-  together, stop the run with the table. Catches every actor of a node landing on GPU 0 (issue 20, item 1).
+  together, stop the run with the table. Catches every actor of a node landing on GPU 0.
 - **Collectives**: every actor rank runs one all-reduce and one all-gather through ``openrlhf_ess/distributed.py``
   on the real process group and checks the values and that the tensors were on the collective device.
 - **Engine canary**: before any sync (both hold the loaded model), within ``--vllm.sync_check_tol``: the engines'

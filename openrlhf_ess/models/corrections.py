@@ -1,6 +1,6 @@
 r"""Off-policy corrections for asynchronous RL: the maths, as flat pure-torch functions.
 
-Notation (shared/DESIGN.md §1), per response token t of trajectory i, shapes (B, T):
+Notation, per response token t of trajectory i, shapes (B, T):
 
 - ``rollout_log_probs``  log μ(a_t)       behaviour policy: the vLLM engine that sampled the token
 - ``prox_log_probs``     log π_prox(a_t)  proximal policy: the training-side model at the sampling version
@@ -96,7 +96,7 @@ def lr_scale_from_rho(rho: torch.Tensor, floor: float, rule: str = "sqrt") -> to
     return raw.clamp(min=floor, max=1.0)
 
 
-# ---- train/inference mismatch and truncated importance sampling (DESIGN.md §2) ------------------------------
+# ---- train/inference mismatch and truncated importance sampling (docs/off_policy.md) ---------------------
 
 
 def mismatch_stats(prox_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor) -> torch.Tensor:
@@ -156,7 +156,7 @@ def tis_truncated(weights: torch.Tensor, cap: float) -> torch.Tensor:
     return weights >= cap * (1 - 1e-6)
 
 
-# ---- approximate proximal policy without an extra forward (DESIGN.md §4, "loglinear") --------------------
+# ---- approximate proximal policy without an extra forward ("loglinear") ---------------------------------
 
 
 def loglinear_prox_log_probs(
@@ -174,7 +174,7 @@ def loglinear_prox_log_probs(
     return rollout_log_probs + alpha * (current_log_probs - rollout_log_probs)
 
 
-# ---- PPO-EWMA decay from the observed staleness (DESIGN.md §4, "ewma"; --algo.prox_ewma_decay auto) ---------
+# ---- PPO-EWMA decay from the observed staleness ("ewma"; --algo.prox_ewma_decay auto) ----------------------
 
 
 def ewma_decay_for_age(age: float) -> float:
@@ -206,7 +206,7 @@ def ewma_decay_for_batch(decay: float, batch_size: int, ref_batch_size: int) -> 
     return decay ** (batch_size / ref_batch_size)
 
 
-# ---- KL-to-reference loss: k1/k2/k3 value, importance-weighted k2 gradient (DESIGN.md §2, k2 option) -------
+# ---- KL-to-reference loss: k1/k2/k3 value, importance-weighted k2 gradient (k2 option) -------------------
 
 KL_VALUE_ESTIMATORS = ("k1", "k2", "k3")
 # Bound on log-space quantities before exp: k3's exponent −x, and log w from below. exp(20) ≈ 4.9e8 stays
@@ -243,7 +243,7 @@ def kl_loss_k2(
     ∇KL(π_θ‖π_ref) = E_{a~π_θ}[(log π_θ − log π_ref) ∇log π_θ], and ∇(½x²) = x ∇log π_θ is exactly that
     integrand. Tokens are sampled from μ (the inference engine, possibly stale), so the expectation needs
     the importance weight π_θ/μ = (π_θ/π_prox)(π_prox/μ); the second (train/inference discrepancy) factor is
-    TIS-capped at C as in the policy loss (DESIGN.md §2), which trades a little bias for bounded variance.
+    TIS-capped at C as in the policy loss, which trades a little bias for bounded variance.
     d follows the TIS level: it is the very weight :func:`tis_weights` gives the policy loss, per token or
     per sequence. The whole weight is then bounded by W = :data:`K2_IS_WEIGHT_CLIP`, upstream's bound on its
     KL IS weight, so the staleness factor π_θ/π_prox (which no cap touches) cannot blow up the gradient.

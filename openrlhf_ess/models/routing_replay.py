@@ -1,4 +1,4 @@
-"""MoE routing replay (R3): the trainer's forward uses the experts the engine chose (issue 23).
+"""MoE routing replay (R3): the trainer's forward uses the experts the engine chose.
 
 A sparse-MoE layer sends token t to the experts E_t = top-k(p_t), p_t = softmax(W_r h_t), and mixes
 their outputs with gate weights g_t. The engine (vLLM) and the trainer (HF) compute h_t with

@@ -1,4 +1,4 @@
-"""Log-probs under the engine's truncated (top-p / top-k) sampling distribution (DESIGN.md §6).
+"""Log-probs under the engine's truncated (top-p / top-k) sampling distribution (docs/sampling_mask.md).
 
 With top-p or top-k the engine samples token y_t from
 
@@ -184,7 +184,7 @@ def _exact_k_lse(values: torch.Tensor, kth: torch.Tensor, k: torch.Tensor):
     S = the entries > τ and n = k − #(> τ) of the entries = τ: vLLM keeps exactly k_t tokens (its Triton kernel,
     CUDA batches >= 8, trims tied boundary values in vocabulary order; its PyTorch path keeps all ties and counts
     them in k_t), and tied entries are equal, so Σ_S e^x = Σ_{> τ} e^x + n·e^τ whichever of them the engine kept:
-    the same Z as the engine's whenever the logits agree (issue 20, item 3; all ties counted, Z was too large by
+    the same Z as the engine's whenever the logits agree (with all ties counted, Z would be too large by
     up to log(1 + m/k) with m extra tied tokens). share = n / #(= τ) (1 without a tie at the boundary): the
     gradient gives each tied entry that share of its probability (the mean of the one-sided gradients)."""
     t = kth.unsqueeze(-1)

@@ -5,7 +5,7 @@ On first use DeepSpeed builds its CPU shared-memory comm op (``deepspeed_shm_com
 (``$TORCH_EXTENSIONS_DIR/<op>/lock``, default ``~/.cache/torch_extensions/py<ver>_<cpu|cuXY>/<op>/lock``). torch's
 ``FileBaton`` creates it with ``O_CREAT | O_EXCL``, keeps it open while building, and deletes it at the end. A run
 killed during the build (Ctrl-C, a timeout, a preempted job) leaves the file, and every later run waits in
-``FileBaton.wait`` forever with nothing printed (issue 21, item 11).
+``FileBaton.wait`` forever with nothing printed.
 
 A lock is stale when no build holds it. The builder keeps the file open for the whole build, so on one machine
 "no process has it open" (every ``/proc/<pid>/fd``) means no build is running. A build on another machine that

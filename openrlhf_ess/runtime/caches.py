@@ -1,4 +1,4 @@
-"""The cache folders our libraries create under HOME, moved to a writable place when HOME is not (issue 30, item 11).
+"""The cache folders our libraries create under HOME, moved to a writable place when HOME is not.
 
 DeepSpeed creates Triton's autotune folder (``~/.triton/autotune``) at import, so on a read-only HOME (a container
 image, a cluster that mounts home read-only on compute nodes) ``import deepspeed`` raised ``FileNotFoundError`` or

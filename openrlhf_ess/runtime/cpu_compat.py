@@ -1,6 +1,6 @@
 """Let upstream OpenRLHF run on a machine without CUDA. A no-op where CUDA exists.
 
-Upstream assumes CUDA in a handful of places (measured on openrlhf 0.11.2, see shared/MEASURED.md):
+Upstream assumes CUDA in a handful of places (measured on openrlhf 0.11.2):
 it imports ``flash_attn`` at module level, calls ``torch.cuda.{set_device,current_device,synchronize}``
 in the strategy, the actors and the replay buffer, and only knows bf16/fp16 parameters. Each patch
 below is one :class:`Patch` with
@@ -48,7 +48,7 @@ def cuda_available() -> bool:
     :func:`node_has_cuda`. Why not ``torch.cuda.is_available()``: it calls ``cudaGetDeviceCount`` (``cuInit``),
     which fixes the process's device list; in a Ray worker that runs before Ray sets the actor's
     ``CUDA_VISIBLE_DEVICES``, so every actor of the node would then see the node's full list and upstream's
-    ``set_device(0)`` would put them all on physical GPU 0 (issue 20, item 1).
+    ``set_device(0)`` would put them all on physical GPU 0.
     """
     decided = os.environ.get(DEVICE_ENV, "").strip().lower()
     if decided in ("cuda", "cpu"):

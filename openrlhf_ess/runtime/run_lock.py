@@ -1,4 +1,4 @@
-"""One run per output folder (issue 21, item 2): an exclusive lock in ``--ckpt.output_dir`` and ``--ckpt.path``.
+"""One run per output folder: an exclusive lock in ``--ckpt.output_dir`` and ``--ckpt.path``.
 
 Two runs writing one folder destroy each other's work: upstream's rotation of old checkpoints deletes the other
 run's ``global_step*`` folders, ``latest`` ends up naming the other run's step, and a later ``--ckpt.load_enable``

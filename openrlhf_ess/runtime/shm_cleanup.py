@@ -1,4 +1,4 @@
-"""Shared-memory files a run leaves in /dev/shm, recorded while it runs and removed when it ends (issue 21, item 4).
+"""Shared-memory files a run leaves in /dev/shm, recorded while it runs and removed when it ends.
 
 Who creates them. Every vLLM engine's processes (the engine actor, its EngineCore and worker processes):
 
@@ -24,7 +24,7 @@ another run's files (or anything else in /dev/shm) are safe. Not covered: a file
 looks, SIGKILL of the CLI itself, and the nodes of a cluster joined with --ray.address (their processes are not the
 CLI's children).
 
-What SIGKILL leaves (issue 30, item 2). A run killed with SIGKILL (the OOM killer, preemption, Slurm after its
+What SIGKILL leaves. A run killed with SIGKILL (the OOM killer, preemption, Slurm after its
 grace period) runs no clean-up. So the watch also writes what it records to a ledger in a per-user state folder
 (:func:`state_dir`): the run's token, host, creator PID and start time, and each file's device, inode and name. A
 run that ends cleans up and deletes its ledger. At start-up every run calls :func:`sweep_dead_runs`: for each

@@ -1,4 +1,4 @@
-"""The driver's SIGTERM and SIGHUP: one clean exit from the first line of ``main()`` to the last (issue 32).
+"""The driver's SIGTERM and SIGHUP: one clean exit from the first line of ``main()`` to the last.
 
 What schedulers send: Slurm (``scancel``, a time limit) and Kubernetes send SIGTERM, then SIGKILL after a grace
 period; a closed terminal sends SIGHUP. Each must take the path Ctrl-C takes: the exception unwinds ``train()``

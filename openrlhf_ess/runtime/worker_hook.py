@@ -4,7 +4,7 @@ The hook runs in each Ray worker process at start-up, **before** Ray sets the ``
 actor that the process will host. Anything that initialises CUDA here (``torch.cuda.is_available()``,
 ``device_count()``, importing DeepSpeed, whose accelerator probe calls both) fixes the process's device list
 to the node's full set; upstream then sets ``LOCAL_RANK=0`` and ``set_device(0)``, and every actor of the node
-lands on physical GPU 0 (issue 20, item 1). So this module imports only :mod:`openrlhf_ess.runtime.cpu_compat`, whose
+lands on physical GPU 0. So this module imports only :mod:`openrlhf_ess.runtime.cpu_compat`, whose
 decision never calls into CUDA and which imports nothing more on a CUDA run; ``tests/test_worker_hook.py``
 runs the hook in a fresh process with every CUDA entry point instrumented and fails on any call.
 """
@@ -45,7 +45,7 @@ def end_wandb_service_with_its_run() -> None:
     SIGKILLs the actor's child processes and only then lets Python exit (measured: a child of an actor is dead
     with -9 when the actor's atexit hooks run). wandb-core is such a child, so wandb's atexit teardown writes to a
     dead socket and prints "Exception ignored in atexit callback ... ConnectionResetError: Connection lost". It
-    happens whenever the actor's exit wins the race with ``ray.shutdown()`` (CI, stop 37; GPU clusters alike).
+    happens whenever the actor's exit wins the race with ``ray.shutdown()`` (seen in CI; GPU clusters alike).
     Ending the service while the run still holds it flushes everything first and unregisters that atexit hook
     (``wandb.teardown``'s documented use where atexit "is not reliable"). What the run logged is unchanged."""
     import wandb

@@ -5,7 +5,7 @@
 so the best response has half its characters digits, and both "too few" and "too many" lose reward; the
 normalisation puts every reward in [0, 1] (0 at the far end of [0, 1] from f*, 1 at f*).
 
-Why this reward exists (issue 22): with the monotone digit reward (``reward.py``) every sample, however stale,
+Why this reward exists: with the monotone digit reward (``reward.py``) every sample, however stale,
 points the same way ("more digits"), so staleness only slows learning. Here the optimum is inside the policy's
 range. A policy with too few digits (f < f*) is pushed up by its samples. In async training the update at step t
 uses samples drawn by a policy L versions old; when the current policy has already passed f*, stale samples from

@@ -1,8 +1,8 @@
 """``python -m openrlhf_ess.tools.build_ops``: build DeepSpeed's CPU shared-memory comm op once, at install.
 
 Without this the first run on a machine JIT-builds it (``deepspeed_shm_comm``, DeepSpeed's ``ShareMemCommBuilder``,
-34-60 s on 2 cores) inside a DeepSpeed rank, under a lock file that a run killed meanwhile leaves behind (issue 21,
-item 11; ``openrlhf_ess/runtime/build_locks.py``). ``scripts/bootstrap_cpu.sh`` runs this, into the folder torch builds
+34-60 s on 2 cores) inside a DeepSpeed rank, under a lock file that a run killed meanwhile leaves behind
+(``openrlhf_ess/runtime/build_locks.py``). ``scripts/bootstrap_cpu.sh`` runs this, into the folder torch builds
 extensions under (``$TORCH_EXTENSIONS_DIR``; ``scripts/env_cpu.sh`` sets ``.cache/torch_extensions``), which every
 run then loads the op from. Stale locks are cleared first. On a CUDA machine the op does not exist (DeepSpeed's
 CUDA accelerator has no ShareMemCommBuilder): nothing is built.

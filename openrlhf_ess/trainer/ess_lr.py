@@ -1,4 +1,4 @@
-"""ESS-guided LR scaling around the DeepSpeed engine step (shared/DESIGN.md §3).
+"""ESS-guided LR scaling around the DeepSpeed engine step (docs/ess_lr.md).
 
 Once per rollout batch, before that rollout's optimizer steps, every actor rank computes the log-space
 ESS moments of its shard of the replay buffer; one all-gather (on the collective device, see

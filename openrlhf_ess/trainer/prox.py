@@ -1,4 +1,4 @@
-"""Where π_prox comes from (shared/DESIGN.md §4): weight snapshots per version, and PPO-EWMA weights.
+"""Where π_prox comes from (docs/prox_modes.md): weight snapshots per version, and PPO-EWMA weights.
 
 Both are scored by the actor itself, by swapping the module's parameter storage for the stored weights
 for one forward and swapping it back. The swap rebinds ``.data`` (no copy of the live weights), so the
@@ -139,12 +139,12 @@ class EwmaWeights:
     r"""PPO-EWMA proximal weights (Hilton et al., "Batch size-invariance for policy optimization",
     arXiv 2110.00641). Kept on the host in fp32: one copy of this rank's parameters (its ZeRO-3 partition: 2·M/R for
     16-bit weights; under ZeRO 0–2 the whole model, 2·M per rank), plus one parameter at a time while updating or
-    swapping in (issue 20, item 8: it held three fp32 copies). Two styles (``--algo.prox_ewma_style``):
+    swapping in (it once held three fp32 copies). Two styles (``--algo.prox_ewma_style``):
 
     - ``hilton`` (as published, openai/ppo-ewma): the average starts at θ₀ with weight W₀ = 1 and, after each
       optimizer step, W_n = β W_{n−1} + 1, θ̄_n = (β W_{n−1} θ̄_{n−1} + θ_n) / W_n: the weights β^{n−k}/W_n over
       θ_0..θ_n, with no bias correction. The trainer recomputes π_prox from θ̄ for every minibatch.
-    - ``batch`` (ours before issue 28): θ̄_n = β θ̄_{n−1} + (1−β) θ_n from θ̄_0 = 0, bias-corrected
+    - ``batch`` (the former default): θ̄_n = β θ̄_{n−1} + (1−β) θ_n from θ̄_0 = 0, bias-corrected
       θ̂_n = θ̄_n / (1 − βⁿ) (θ₀ gets no weight); π_prox computed once per rollout batch.
 
     ``decay="auto"`` (``--algo.prox_ewma_decay auto``): each update passes its own β_n; in ``batch`` the bias
@@ -216,7 +216,7 @@ class EwmaWeights:
         }
 
     def load_state_dict(self, d: dict) -> None:
-        style = d.get("style", "batch")  # checkpoints written before issue 28 hold the batch style
+        style = d.get("style", "batch")  # checkpoints written before the style existed hold the batch style
         if style != self.style:
             raise ValueError(
                 f"the checkpoint's EWMA weights were averaged with --algo.prox_ewma_style {style}, this run asks for "
@@ -229,7 +229,7 @@ class EwmaWeights:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Scoring at weight sync (interrupt and dedicated modes, shared/DESIGN.md §4)
+# Scoring at weight sync (interrupt and dedicated modes, docs/prox_modes.md)
 #
 # At the sync V -> V+1, every request that sampled tokens with V (in flight, or finished and not yet
 # consumed) is reported by its engine as a token stream (prompt + output so far) with per-token versions.

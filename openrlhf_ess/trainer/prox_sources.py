@@ -1,4 +1,4 @@
-"""The actor's π_prox sources (``--algo.prox_mode snapshot | interrupt | ewma``, shared/DESIGN.md §4).
+"""The actor's π_prox sources (``--algo.prox_mode snapshot | interrupt | ewma``, docs/prox_modes.md).
 
 One object per actor rank, called by ``ActorPPOTrainer`` at four points: after each optimizer step
 (:meth:`ProxSources.after_optimizer_step`, EWMA), after each weight sync (:meth:`ProxSources.after_sync`,

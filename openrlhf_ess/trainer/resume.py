@@ -52,7 +52,7 @@ def tag_of(global_step: int) -> str:
 
 # Tests only: park the run at a point of its progress until it is stopped, so that a kill-and-resume test's kill
 # lands there on any machine speed (tests/test_resume.py: a look that came ~1 s late once found the run already past
-# its last step's save; CI at 227e70e). "<point>:<n>": "sidecar:<step>", between every rank's DeepSpeed save of that
+# its last step's save). "<point>:<n>": "sidecar:<step>", between every rank's DeepSpeed save of that
 # step and our sidecar; "audit:<version>", right after the trainer wrote that batch to --algo.prox_audit_dir, before
 # its update.
 HOLD_ENV = "OPENRLHF_ESS_FAULT_HOLD_AT"
@@ -94,7 +94,7 @@ def write_sidecar(ckpt_path: str, global_step: int, state: dict) -> Optional[str
     return path
 
 
-# ---- which run wrote a checkpoint (issue 30, item 4) ----------------------------------------------------------
+# ---- which run wrote a checkpoint -----------------------------------------------------------------------------
 
 # What must be the same for a resume to continue the run that wrote the checkpoint: the weights it trains (the
 # model's config), the prompts the data loader's saved position indexes, and the sizes that position counts in.

@@ -1,4 +1,4 @@
-"""``--algo.routing_replay``: the trainer's MoE forwards use the experts the engine chose (issue 23, R3).
+"""``--algo.routing_replay``: the trainer's MoE forwards use the experts the engine chose (R3).
 
 The maths and the seam are in ``models/routing_replay.py`` (docs/routing_replay.md); this module carries the
 engine's expert ids from the rollout to every forward that scores a rollout token:

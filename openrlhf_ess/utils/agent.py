@@ -2,7 +2,7 @@
 
 Mirrors ``openrlhf/utils/agent.py``. Upstream's ``SingleTurnAgentExecutor._fetch_rewards_via_func`` runs the
 user's ``reward_func`` (``--reward.remote_url file.py``) in a worker thread, one query per call, and awaits it
-with no bound; ``execute`` catches ``Exception`` around it. So (issue 21, item 8):
+with no bound; ``execute`` catches ``Exception`` around it. So:
 
 - a ``reward_func`` that calls ``sys.exit()`` (or raises another ``BaseException``) sends ``SystemExit`` through
   asyncio, which re-raises it out of the engine actor's event loop: every pending request is lost and the run

@@ -1,6 +1,6 @@
 """Check 5: the start-up self-check's placement (``selfcheck.check_placement``) on the reports of ranks started
-here (tests/gpu/ranks.py), rank r on GPU r (passes), and every rank on GPU 0, the defect of issue 20 (must be
-refused). On the CPU: two gloo ranks with per-rank fake device ids."""
+here (tests/gpu/ranks.py), rank r on GPU r (passes), and every rank on GPU 0, the defect the check exists for
+(must be refused). On the CPU: two gloo ranks with per-rank fake device ids."""
 
 import pytest
 

@@ -29,7 +29,7 @@ class _Tree:
     were seen using (``shm``: names, looked at every 2 s).
 
     Leaving the ``with`` block by an exception (a failed assertion, a timeout, Ctrl-C) ends every recorded process
-    still alive, by PID: a failing test never leaves its run behind (issue 21, item 12)."""
+    still alive, by PID: a failing test never leaves its run behind."""
 
     SHM_EVERY = 10  # polls (0.2 s apart) between two looks at the processes' /dev/shm files
 
@@ -185,7 +185,7 @@ def signal_at(reached, sig: signal.Signals, group: bool, what: str, run_dir: str
 def assert_stopped_by_signal(run: TrackedRun, sig: signal.Signals, group: bool) -> None:
     """A run signalled with ``sig`` (to its whole process group when ``group``, else to the CLI alone) said it was
     stopping, exited with 128 + the signal's number (SIGINT: KeyboardInterrupt), accounted for and removed the
-    /dev/shm files its processes used and left no process (issues 21 and 32; docs/faults.md §11)."""
+    /dev/shm files its processes used and left no process (docs/faults.md §9 and §11)."""
     assert not run.timed_out, run.log[-4000:]
     assert "*** SIGTERM received" not in run.log or group, run.log[-4000:]  # Abseil's handler: not in the driver
     if sig == signal.SIGINT:
@@ -194,7 +194,7 @@ def assert_stopped_by_signal(run: TrackedRun, sig: signal.Signals, group: bool) 
         assert run.rc == 128 + sig, (run.rc, run.log[-4000:])
         assert f"[openrlhf-ess] {sig.name} received: stopping the run." in run.log, run.log[-4000:]
     if sig != signal.SIGHUP:  # vLLM was up and the CLI had seen its files: it accounts for them, removed or gone
-        # (a group SIGTERM also reaches vLLM's processes, which may unlink their queues before they die; CI, stop 33)
+        # (a group SIGTERM also reaches vLLM's processes, which may unlink their queues before they die; seen in CI)
         account = r"shared-memory file\(s\) this run's processes (left in|used is left in) /dev/shm"
         assert re.search(account, run.log), run.log[-4000:]
     assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"

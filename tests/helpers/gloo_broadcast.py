@@ -13,7 +13,7 @@ all of it upstream's code (openrlhf 0.11.2):
   ``broadcast`` to receive, then ``model.load_weights([(name, weight)])``.
 
 Without NCCL, vLLM's ``PyNcclCommunicator`` disables itself and its ``broadcast`` returns without data (the
-engine then generates from uninitialised memory: shared/MEASURED.md), which is why the CLI refuses ``gloo`` on
+engine then generates from uninitialised memory, as measured), which is why the CLI refuses ``gloo`` on
 CPU. The substitution below replaces only what cannot run on a CPU, and runs the rest of upstream's code as is:
 
 1. ``PyNcclCommunicator`` -> :class:`GlooCommunicator` (same constructor and ``broadcast`` signature, a gloo

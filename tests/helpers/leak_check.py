@@ -1,4 +1,4 @@
-"""Session-wide check: no process a test started outlives the test session (issue 21, item 12).
+"""Session-wide check: no process a test started outlives the test session.
 
 A failing real-stack test used to leave its whole run alive (the CLI, Ray, the actors, vLLM), slowing and breaking
 the tests after it. Tests end what they start (``tests/helpers/faults.py::_Tree``, ``tests/helpers/e2e.py::run_cli``);

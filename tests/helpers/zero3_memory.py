@@ -1,4 +1,4 @@
-"""Memory discipline under ZeRO-3 (issue 12): how many weights each pass of ours holds gathered at once.
+"""Memory discipline under ZeRO-3: how many weights each pass of ours holds gathered at once.
 
     torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P -m tests.helpers.zero3_memory \
         MODEL PROMPTS OUT.json

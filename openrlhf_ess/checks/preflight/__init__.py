@@ -1,4 +1,4 @@
-"""Pre-flight: every input of a run checked in seconds, before Ray starts or any model loads (issue 16).
+"""Pre-flight: every input of a run checked in seconds, before Ray starts or any model loads.
 
 :func:`check` runs in the CLI right after flag parsing. Without it a bad input is found 25-60 s later, inside a
 Ray actor, as a raw upstream/vLLM/datasets traceback (or never: ``--vllm.sync_check_tol nan`` turned the weight
@@ -12,7 +12,7 @@ module per input family, each with its own tests file (``tests/test_preflight_<m
    turns a check off); +-inf only where it means "no bound" (:data:`flags.INF_MEANS_NO_BOUND`); step and sampling
    flags that upstream divides by or vLLM rejects mid-run (``--rollout.temperature 0``: the trainer divides logits
    by it, and mu of a greedy sample is degenerate; below vLLM's floor 0.01 the engine samples at 0.01);
-2. ``engine``: the installed vLLM against the releases our engine patches were read against (issue 29);
+2. ``engine``: the installed vLLM against the releases our engine patches were read against;
 3. ``model``: model folders (config.json, weights, the tokenizer upstream loads) or hub ids (cache,
    HF_HUB_OFFLINE); no network access is attempted; ``--data.max_len`` within the context vLLM accepts;
 4. ``data``: prompt files as upstream's ``blending_datasets`` reads them (.jsonl/.json/.csv/.parquet/.arrow,

@@ -21,7 +21,7 @@ DATA_EXTS = (".json", ".jsonl", ".csv", ".parquet", ".arrow")  # upstream's blen
 
 
 def _check_batches_fill(args: types.SimpleNamespace, data: "_Data", notices: List[str]) -> None:
-    """The prompt set against one training batch (issue 30, item 7), where pre-flight counted it."""
+    """The prompt set against one training batch, where pre-flight counted it."""
     n = data.train_records
     if n is None or args.train.dynamic_batch_enable or args.algo.dynamic_filtering_enable:
         return
@@ -442,7 +442,7 @@ def _loader_files(flag, spec, data_dir, split, split_flag, walked: List[str], no
     whose module factory picks ONE format, the folder's most common extension (datasets' load.py:
     infer_module_for_data_files_list), and assigns files to splits by name (train/test/validation...), of which
     upstream keeps --data.prompt_split. A data file of another format would be skipped without a word and
-    pre-flight would count prompts never trained (issue 21, item 6): refused, naming the files and the fix; files of
+    pre-flight would count prompts never trained: refused, naming the files and the fix; files of
     other splits are a notice (HF's naming convention), and not counted."""
     from datasets.load import LocalDatasetModuleFactory
 

@@ -1,4 +1,4 @@
-"""Pre-flight, the vLLM release (issue 29): the installed one against the releases our engine patches were read
+"""Pre-flight, the vLLM release: the installed one against the releases our engine patches were read
 against, and --algo.routing_replay against the model runner that returns routes."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Pre-flight, flag values: every float flag finite (NaN never: every comparison with NaN is false, so ``tol > 0``
 silently turned a check off; +-inf only where it means "no bound", :data:`INF_MEANS_NO_BOUND`); the step and sampling
 flags upstream divides by or vLLM rejects mid-run (``--rollout.temperature 0``; below vLLM's floor 0.01 the engine
-samples at 0.01); the optimisation and batch flags (issue 30, items 6, 7, 9, 12)."""
+samples at 0.01); the optimisation and batch flags."""
 
 from __future__ import annotations
 

@@ -403,7 +403,7 @@ def model_max_len(folder: str) -> Optional[Tuple[float, str]]:
 
 def _check_max_len(args: types.SimpleNamespace) -> None:
     """--data.max_len is the engines' max_model_len (upstream's create_vllm_engines): beyond the model's context
-    vLLM refuses it at start-up with only "1 validation error for ModelConfig" (issue 21, item 10)."""
+    vLLM refuses it at start-up with only "1 validation error for ModelConfig"."""
     if args.vllm.num_engines is None or args.vllm.num_engines < 1 or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
         return
     path = args.actor.model_name_or_path

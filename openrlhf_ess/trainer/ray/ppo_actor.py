@@ -50,7 +50,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         """Extends upstream's init with what our flags need: the weight-version counter, the sequence-level
         TIS loss, the π_prox sources, the weight sync and its check, and the ESS LR hook."""
         super().__init__(*args, **kwargs)
-        # Weight syncs applied to the engines; tokens are tagged with it (shared/DESIGN.md §4).
+        # Weight syncs applied to the engines; tokens are tagged with it (docs/prox_modes.md).
         self.weight_version = 0
         algo = self.args.algo
         if algo.tis_cap is not None:  # seq: the TIS maths; both levels: the check that μ reached the loss

@@ -4,7 +4,7 @@ Upstream's ``BaseDistributedActor`` (``openrlhf/trainer/ray/launcher.py``) gives
 ``bind(("", 0))``: a port from the kernel's *ephemeral* range, released at once and bound again by DeepSpeed's
 ``TCPStore`` only when the model loads, seconds later. In between, the kernel may hand that same port to any
 outgoing TCP connection on the node as its local port (Ray's gRPC clients, a download, another job), and the
-rendezvous fails with ``EADDRINUSE``. Measured: one CLI run in the ~60 of CI's suite (stop 33, the policy rank,
+rendezvous fails with ``EADDRINUSE``. Measured: one CLI run in the ~60 of the test suite (the policy rank,
 port 44813; ``ip_local_port_range`` 32768-60999). A port outside the ephemeral range is never handed out
 implicitly; only an explicit ``bind`` can take it. So the roles draw rank 0's port at random from outside both
 that range and Ray's worker-port range, and check it is free, as upstream does.
