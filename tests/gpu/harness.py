@@ -16,8 +16,9 @@ from tests.helpers.ports import free_port
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLACK_BYTES = 256 << 10  # reduction outputs and allocator rounding on top of a memory bound
 FORCED_MULTI_RANK = (
-    "openrlhf_ess.distributed.is_multi_rank forced to True: one GPU can host one NCCL rank only, so the "
-    "multi-rank code path runs on a world of one"
+    "on a machine with one GPU (checks 1 and 6): openrlhf_ess.distributed.is_multi_rank forced to True on a world "
+    "of one rank, NCCL refusing two ranks on one GPU; on the CPU (two gloo ranks) and on two or more GPUs the "
+    "collectives run on two or more ranks"
 )
 
 

@@ -1,4 +1,4 @@
-"""The ranks of checks 5 and 6: ``launch_ranks`` starts ``world`` processes of
+"""The ranks of checks 1, 5 and 6: ``launch_ranks`` starts ``world`` processes of
 this module (``python -m tests.gpu.ranks TASK ...``) as a launcher starts a job's ranks, RANK, WORLD_SIZE and
 MASTER_ADDR/PORT set, one result file each."""
 
@@ -15,7 +15,7 @@ import time
 import types
 from typing import List
 
-from tests.gpu.harness import REPO, CollectiveLog, hide_modules
+from tests.gpu.harness import REPO, CollectiveLog, hide_modules, missing_reason
 from tests.helpers.ports import free_port
 
 RANK_GRACE_S = 20  # after one rank fails, how long the others get to finish (or fail) before they are killed
@@ -189,7 +189,113 @@ def rank_collectives(args, options: dict) -> dict:
     }
 
 
-RANK_TASKS = {"placement": rank_placement, "collectives": rank_collectives}
+# ---- check 1: our collectives, each rank with inputs of its own (tests/gpu/test_1_collectives.py states the
+# expected results as functions of the world size)
+
+
+def check1_values(rank: int, world: int) -> list:
+    """all_reduce_max's input on ``rank``: the elementwise max over the ranks is not any one rank's."""
+    return [1.5 + rank, -2.0 - rank, 3.25 * (world - rank), 7.0]
+
+
+def check1_rows(rank: int):
+    import torch
+
+    return torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
+
+
+def check1_needs(rank: int) -> list:
+    """The stale versions ``rank`` needs (``ProxSources.agree``: every rank must get the union)."""
+    return [3, 5] if rank == 0 else [4]
+
+
+def check1_streams(rank: int) -> list:
+    """``score_streams``' streams: 20 on rank 0 (ceil(20 / 16) = 2 forwards), none on the others (which must run
+    the same 2 forwards)."""
+    return [[1, 2, 3, 4]] * (20 if rank == 0 else 0)
+
+
+def _check1_ops(device, rank: int, world: int, log) -> dict:
+    """Each of our collectives once, the collectives each issued (``calls``) kept with its result."""
+    from openrlhf_ess import distributed
+    from tests.helpers.device_discipline_ranks import TinyLM, prox_sources
+
+    ops = {}
+    log.take()
+    out = distributed.all_reduce_max(check1_values(rank, world))
+    ops["all_reduce_max"] = {"result": out, "types": [type(v).__name__ for v in out], "calls": log.take()}
+    local = check1_rows(rank)
+    host, dev = distributed.all_gather_rows(local), distributed.all_gather_rows(local.to(device))
+    ops["all_gather_rows"] = {
+        "result": [host.tolist(), dev.tolist()],
+        "devices": [str(host.device), str(dev.device)],
+        "calls": log.take(),
+    }
+    model = TinyLM().to(device)
+    sources = prox_sources(model)
+    agreed = sources.agree(check1_needs(rank), [3, 4, 5, 6])
+    ops["agree"] = {"result": agreed, "calls": log.take()}
+    from openrlhf_ess.trainer import prox
+
+    streams = check1_streams(rank)
+    model.calls = 0
+    scored = sources.score_streams(0, streams)
+    forwards, calls = model.calls, log.take()
+    direct = prox.stream_log_probs(model, streams) if streams else []  # version 0 = the live weights: the same
+    diff = max([(a - b).abs().max().item() for a, b in zip(scored, direct)] or [0.0])
+    ops["score_streams"] = {
+        "result": {"forwards": forwards, "scored": len(scored), "max_abs_diff": diff},
+        "model_device": str(next(model.parameters()).device),
+        "calls": calls,
+    }
+    try:
+        from openrlhf_ess.trainer import ess_lr
+        from tests.gpu.harness import _hand_items
+
+        items = _hand_items(device)
+    except ImportError as err:  # the same on every rank, before any collective
+        ops["global_lr_scale"] = {"missing": missing_reason(err), "calls": log.take()}
+        return ops
+    mine = items[rank::world]  # world 2: rank 0 the weights 1, rank 1 the weights 5 (each rank's own rho is 1)
+    scale, metrics = ess_lr.global_lr_scale(mine, "geo_mean", "sqrt", 0.1)
+    calls = log.take()
+    real = distributed.is_multi_rank
+    distributed.is_multi_rank = lambda: False
+    try:
+        own, own_metrics = ess_lr.global_lr_scale(mine, "geo_mean", "sqrt", 0.1)  # this rank's items alone
+    finally:
+        distributed.is_multi_rank = real
+    ops["global_lr_scale"] = {
+        "result": {"lr_scale": scale, "rho_ess": metrics.get("rho_ess"), "items": len(mine)},
+        "own": {"lr_scale": own, "rho_ess": own_metrics.get("rho_ess")},
+        "calls": calls + log.take(),
+    }
+    return ops
+
+
+def rank_check1(args, options: dict) -> dict:
+    """Check 1 on this rank of the real process group: our collectives, each with this rank's inputs."""
+    from openrlhf_ess import distributed
+
+    rank, world, device = _rank_init(args, options)
+    forced = world == 1
+    if forced:  # one GPU: a world of one (NCCL refuses two ranks on one GPU)
+        distributed.is_multi_rank = lambda: True
+    with CollectiveLog() as log:
+        ops = _check1_ops(device, rank, world, log)
+    _rank_done(options)
+    return {
+        "rank": rank,
+        "world": world,
+        "ops": ops,
+        "forced_multi_rank": forced,
+        "backend": options["backend"],
+        "rank_device": str(device),
+        "collective_device": str(distributed.device()),
+    }
+
+
+RANK_TASKS = {"placement": rank_placement, "collectives": rank_collectives, "check1": rank_check1}
 
 
 def run_rank(args) -> int:

@@ -1,7 +1,14 @@
-"""Check 1: our collectives (``openrlhf_ess.distributed`` and its callers) on a real NCCL group of one rank, with
-the multi-rank path forced; a host tensor in a NCCL collective must raise (the control that the check can fail).
-On the CPU the group is gloo, which accepts host tensors: the real control is a SKIP there, and the adapted control
-(the virtual NCCL of tests/helpers/strict_device.py) runs instead."""
+"""Check 1: our collectives (``openrlhf_ess.distributed`` and its callers) on a real process group of two ranks,
+each rank with inputs of its own, so that a collective that returned a rank's own values, or another rank's, fails
+(tests/gpu/ranks.py, task ``check1``). The ranks: two gloo processes on the CPU; on CUDA one NCCL rank per GPU, two
+at most. NCCL refuses two ranks on one GPU, so on a machine with one GPU the world is one rank with the multi-rank
+path forced (``FORCED_MULTI_RANK``): there the collectives run on the GPU and their placement is checked, but that
+each rank gets the others' values is checked by the CPU variant (gloo, two ranks) and, on the GPUs of a real run, by
+the start-up self-check (``selfcheck.collective_probe`` / ``check_collectives``, check 6 on two or more GPUs).
+
+The negative control runs in this process on a group of one: a host tensor in a NCCL collective must raise. On the
+CPU the group is gloo, which accepts host tensors: the real control is a SKIP there, and the adapted control (the
+virtual NCCL of tests/helpers/strict_device.py) runs instead."""
 
 import math
 import types
@@ -11,166 +18,184 @@ import torch
 import torch.distributed as dist
 
 from tests.gpu.conftest import INFO, expect
-from tests.gpu.harness import (
-    FORCED_MULTI_RANK,
-    CollectiveLog,
-    _hand_items,
-    _on_device,
-    missing_reason,
-    single_rank_env,
+from tests.gpu.harness import FORCED_MULTI_RANK, _hand_items, _on_device, missing_reason, single_rank_env
+from tests.gpu.ranks import check1_needs, check1_rows, check1_streams, check1_values, launch_ranks, ranks_ok
+
+ONE_GPU = (
+    "one GPU: a world of ONE rank (NCCL refuses two ranks on one GPU), openrlhf_ess.distributed.is_multi_rank forced "
+    "to True; the collectives run on the GPU and their placement is checked here, but that each rank gets the "
+    "others' values is not: the CPU variant checks it on two gloo ranks, and the start-up self-check "
+    "(selfcheck.collective_probe / check_collectives) on the run's own NCCL ranks"
 )
+
+
+def _gpu_info() -> None:
+    props = torch.cuda.get_device_properties(0)
+    INFO.update(
+        gpu=props.name,
+        capability=f"{props.major}.{props.minor}",
+        gpu_memory_gib=round(props.total_memory / 2**30, 1),
+        gpu_count=torch.cuda.device_count(),
+        nccl=".".join(map(str, torch.cuda.nccl.version())),
+    )
+
+
+@pytest.fixture(scope="module")
+def ranks(args):
+    """The ranks' results (one ``rank_check1`` dict each, in rank order): two gloo ranks on the CPU; on CUDA one
+    NCCL rank per GPU, two at most (one GPU: a world of one, the multi-rank path forced)."""
+    cuda = args.device == "cuda"
+    if cuda:
+        _gpu_info()
+    world = min(torch.cuda.device_count(), 2) if cuda else 2
+    backend = "nccl" if cuda else "gloo"
+    runs = ranks_ok(launch_ranks(args, "check1", world, {"backend": backend}, 180), "check 1 ranks")
+    common = [f"process group: {backend}, {world} rank(s), each with inputs of its own"]
+    common += [ONE_GPU, FORCED_MULTI_RANK] if world == 1 else []
+    return types.SimpleNamespace(runs=runs, world=world, backend=backend, cuda=cuda, common=common)
+
+
+def start(r, entry, op: str) -> list:
+    """Every rank's result of ``op``; the common expectations: backend, world, each rank's collectives issued on
+    its own device (``distributed.device()`` = the rank's device)."""
+    entry["notes"].extend(r.common)
+    entry["numbers"].update(backend=r.backend, world=r.world)
+    expect(entry, len(r.runs) == r.world, f"{len(r.runs)} ranks reported, expected {r.world}")
+    for run in r.runs:
+        expect(entry, run["backend"] == r.backend, f"rank {run['rank']}: backend {run['backend']}, not {r.backend}")
+        expect(entry, run["world"] == r.world, f"rank {run['rank']}: world size {run['world']}, not {r.world}")
+        expect(
+            entry,
+            run["collective_device"] == run["rank_device"],
+            f"rank {run['rank']}: distributed.device() is {run['collective_device']}, not {run['rank_device']}",
+        )
+    return [run["ops"][op] for run in r.runs]
+
+
+def placed(r, entry, results, ops):
+    entry["numbers"]["collectives"] = {run["rank"]: got["calls"] for run, got in zip(r.runs, results)}
+    for run, got in zip(r.runs, results):
+        names = [c["op"] for c in got["calls"]]
+        expect(entry, names == ops, f"rank {run['rank']} issued {names}, expected {ops}")
+        expect(
+            entry,
+            _on_device(got["calls"], run["rank_device"]),
+            f"rank {run['rank']}: collective tensors not all on {run['rank_device']}: {got['calls']}",
+        )
+
+
+def test_all_reduce_max(check, ranks):
+    world = ranks.world
+    with check("1.all_reduce_max", "distributed.all_reduce_max on the real backend") as e:
+        results = start(ranks, e, "all_reduce_max")
+        placed(ranks, e, results, ["all_reduce"])
+        inputs = [check1_values(rank, world) for rank in range(world)]
+        want = [max(column) for column in zip(*inputs)]
+        e["numbers"].update(inputs=inputs, expected=want, results=[got["result"] for got in results])
+        for rank, got in enumerate(results):
+            expect(e, got["result"] == want, f"rank {rank}: max {got['result']}, expected {want} (inputs {inputs})")
+            expect(e, set(got["types"]) == {"float"}, f"rank {rank}: {got['types']}, expected host floats")
+        e["summary"] = f"{ranks.backend}, {world} ranks: elementwise max {want} on every rank, host floats back"
+
+
+def test_all_gather_rows(check, ranks):
+    world = ranks.world
+    with check("1.all_gather_rows", "distributed.all_gather_rows on the real backend") as e:
+        results = start(ranks, e, "all_gather_rows")
+        placed(ranks, e, results, ["all_gather", "all_gather"])
+        want = torch.stack([check1_rows(rank) for rank in range(world)]).tolist()
+        for rank, got in enumerate(results):
+            for what, out, device in zip(("host", "device"), got["result"], got["devices"]):
+                expect(e, out == want, f"rank {rank}, {what} input: gathered {out}, expected every rank's {want}")
+                expect(e, device == "cpu", f"rank {rank}, {what} input: gathered rows on {device}, not the host")
+        e["summary"] = (
+            f"{ranks.backend}, {world} ranks: host and device inputs gathered, ({world}, 2, 3) in rank order back on "
+            "the host"
+        )
+
+
+def test_agree(check, ranks):
+    world = ranks.world
+    with check("1.agree", "ProxSources.agree (ZeRO-3 path: which stale versions any rank needs)") as e:
+        results = start(ranks, e, "agree")
+        placed(ranks, e, results, ["all_reduce"])
+        needs = [check1_needs(rank) for rank in range(world)]
+        want = sorted({v for need in needs for v in need})
+        for rank, got in enumerate(results):
+            expect(e, got["result"] == want, f"rank {rank}: agree gave {got['result']}, expected {want} ({needs})")
+        e["numbers"].update(needs=needs, agreed=[got["result"] for got in results])
+        e["summary"] = f"{ranks.backend}, {world} ranks needing {needs}: {want} on every rank via 1 all_reduce"
+
+
+def test_score_streams(check, ranks):
+    world = ranks.world
+    with check("1.score_streams", "ProxSources.score_streams (interrupt mode) with the model on the device") as e:
+        results = start(ranks, e, "score_streams")
+        placed(ranks, e, results, ["all_reduce"])
+        e["numbers"]["ranks"] = [got["result"] for got in results]
+        for (rank, got), run in zip(enumerate(results), ranks.runs):
+            n = len(check1_streams(rank))
+            res = got["result"]
+            expect(e, res["scored"] == n, f"rank {rank}: {res['scored']} streams scored, expected {n}")
+            expect(e, res["forwards"] == 2, f"rank {rank}: {res['forwards']} forwards, expected ceil(20/16) = 2")
+            diff = res["max_abs_diff"]
+            expect(e, diff <= 1e-6, f"rank {rank}: log-probs off the live model's by {diff}")
+            expect(e, got["model_device"] == run["rank_device"], f"rank {rank}: the weight swap moved the model off")
+        e["summary"] = (
+            f"{ranks.backend}, {world} ranks: 20 streams on rank 0"
+            + (", none on rank 1" if world > 1 else "")
+            + ": 2 forwards on every rank, log-probs = the live model's"
+        )
+
+
+def test_global_lr_scale(check, ranks):
+    world = ranks.world
+    with check("1.global_lr_scale", "ess_lr.global_lr_scale (moments all-gather) on hand-valued items") as e:
+        results = start(ranks, e, "global_lr_scale")
+        missing = [got["missing"] for got in results if "missing" in got]
+        if missing:
+            pytest.skip(f"openrlhf does not import ({missing[0]}): ess_lr needs its experience module")
+        placed(ranks, e, results, ["all_gather"])
+        e["numbers"].update(
+            ranks=[got["result"] for got in results],
+            own=[got["own"] for got in results],
+            hand_lr_scale=math.sqrt(9 / 13),
+            hand_rho=9 / 13,
+        )
+        for rank, got in enumerate(results):
+            res = got["result"]
+            expect(e, abs((res["rho_ess"] or -1) - 9 / 13) <= 1e-6, f"rank {rank}: rho {res['rho_ess']} != 9/13")
+            expect(e, abs(res["lr_scale"] - math.sqrt(9 / 13)) <= 1e-6, f"rank {rank}: scale {res['lr_scale']}")
+            if world > 1:  # each rank's items alone have equal weights: rho 1; 9/13 only from every rank's moments
+                expect(e, abs(got["own"]["rho_ess"] - 1) <= 1e-6, f"rank {rank}: own items' rho {got['own']}")
+        e["summary"] = (
+            f"{ranks.backend}, {world} ranks ({results[0]['result']['items']} items each): 1 all_gather; rho "
+            f"{results[0]['result']['rho_ess']:.6f} (9/13) on every rank"
+            + (", where each rank's own items give 1" if world > 1 else "")
+        )
 
 
 @pytest.fixture(scope="module")
 def group(device):
-    """A process group of one rank (NCCL on cuda:0, gloo on the CPU), ``distributed.is_multi_rank`` forced."""
+    """The negative controls' process group, in this process: one rank (NCCL on cuda:0, gloo on the CPU),
+    ``distributed.is_multi_rank`` forced (a host tensor's refusal is a property of the backend, not of the world)."""
     from openrlhf_ess import distributed
 
     cuda = device == "cuda"
     backend = "nccl" if cuda else "gloo"
     if cuda:
         torch.cuda.set_device(0)
-        props = torch.cuda.get_device_properties(0)
-        INFO.update(
-            gpu=props.name,
-            capability=f"{props.major}.{props.minor}",
-            gpu_memory_gib=round(props.total_memory / 2**30, 1),
-            nccl=".".join(map(str, torch.cuda.nccl.version())),
-        )
     single_rank_env()
     dist.init_process_group(backend, rank=0, world_size=1)
     want = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     real_is_multi_rank = distributed.is_multi_rank
     distributed.is_multi_rank = lambda: True
-    common = [FORCED_MULTI_RANK, f"process group: {dist.get_backend()}, world size {dist.get_world_size()}"]
     try:
-        yield types.SimpleNamespace(
-            cuda=cuda, backend=backend, want=want, common=common, real_is_multi_rank=real_is_multi_rank
-        )
+        yield types.SimpleNamespace(cuda=cuda, backend=backend, want=want)
     finally:
         distributed.is_multi_rank = real_is_multi_rank
         dist.barrier()
         dist.destroy_process_group()
-
-
-@pytest.fixture
-def log(group):
-    with CollectiveLog() as log:
-        yield log
-
-
-@pytest.fixture(scope="module")
-def tiny_model(group):
-    from tests.helpers.device_discipline_ranks import TinyLM, prox_sources
-
-    model = TinyLM().to(group.want)
-    return model, prox_sources(model)
-
-
-def start(g, entry, log):
-    from openrlhf_ess import distributed
-
-    entry["notes"].extend(g.common)
-    entry["numbers"]["backend"] = dist.get_backend()
-    expect(entry, dist.get_backend() == g.backend, f"backend {dist.get_backend()}, expected {g.backend}")
-    expect(entry, distributed.device() == g.want, f"distributed.device() is {distributed.device()}, not {g.want}")
-    log.take()
-
-
-def placed(g, entry, calls, ops):
-    entry["numbers"]["collectives"] = calls
-    expect(entry, [c["op"] for c in calls] == ops, f"collectives issued {[c['op'] for c in calls]}, expected {ops}")
-    expect(entry, _on_device(calls, g.want), f"collective tensors not all on {g.want}: {calls}")
-
-
-def test_all_reduce_max(check, group, log):
-    from openrlhf_ess import distributed
-
-    backend, want = group.backend, group.want
-    with check("1.all_reduce_max", "distributed.all_reduce_max on the real backend") as e:
-        start(group, e, log)
-        values = [1.5, -2.0, 3.25, 7.0]
-        out = distributed.all_reduce_max(values)
-        placed(group, e, log.take(), ["all_reduce"])
-        expect(e, out == values and all(type(v) is float for v in out), f"result {out}, expected {values}")
-        e["summary"] = f"{backend}: 1 all_reduce on {want} (float64), host floats back"
-
-
-def test_all_gather_rows(check, group, log):
-    from openrlhf_ess import distributed
-
-    backend, want = group.backend, group.want
-    with check("1.all_gather_rows", "distributed.all_gather_rows on the real backend") as e:
-        start(group, e, log)
-        local = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-        out_host = distributed.all_gather_rows(local)
-        out_dev = distributed.all_gather_rows(local.to(want))
-        placed(group, e, log.take(), ["all_gather", "all_gather"])
-        for out in (out_host, out_dev):
-            expect(e, out.shape == (1, 2, 3) and out.device.type == "cpu", f"got {out.shape} on {out.device}")
-            expect(e, torch.equal(out[0], local), "gathered rows differ from the input")
-        e["summary"] = f"{backend}: host and device inputs gathered on {want}, (1, 2, 3) back on the host"
-
-
-def test_agree(check, group, log, tiny_model):
-    backend, want = group.backend, group.want
-    model, sources = tiny_model
-    with check("1.agree", "ProxSources.agree (ZeRO-3 path: which stale versions any rank needs)") as e:
-        start(group, e, log)
-        agreed = sources.agree([3, 5], [3, 4, 5, 6])
-        placed(group, e, log.take(), ["all_reduce"])
-        expect(e, agreed == [3, 5], f"agree gave {agreed}, expected [3, 5]")
-        e["summary"] = f"{backend}: [3, 5] of [3, 4, 5, 6] via 1 all_reduce on {want}"
-
-
-def test_score_streams(check, group, log, tiny_model):
-    backend, want = group.backend, group.want
-    model, sources = tiny_model
-    with check("1.score_streams", "ProxSources.score_streams (interrupt mode) with the model on the device") as e:
-        start(group, e, log)
-        from openrlhf_ess.trainer import prox
-
-        streams = [[1, 2, 3, 4]] * 20
-        model.calls = 0
-        scored = sources.score_streams(0, streams)
-        forwards = model.calls
-        placed(group, e, log.take(), ["all_reduce"])
-        direct = prox.stream_log_probs(model, streams)  # version 0 = the live weights: the same numbers
-        diff = max((a - b).abs().max().item() for a, b in zip(scored, direct))
-        e["numbers"].update(forwards=forwards, streams=len(scored), max_abs_diff=diff)
-        expect(e, len(scored) == 20, f"{len(scored)} streams scored, expected 20")
-        expect(e, e["numbers"]["forwards"] == 2, f"{e['numbers']['forwards']} forwards, expected ceil(20/16) = 2")
-        expect(e, diff <= 1e-6, f"swapped-weights log-probs differ from the live model's by {diff}")
-        expect(e, next(model.parameters()).device == want, "the weight swap moved the model off the device")
-        e["summary"] = f"{backend}: 20 streams, 2 forwards on {want}, |diff| vs live model {diff:.1e}"
-
-
-def test_global_lr_scale(check, group, log):
-    from openrlhf_ess import distributed
-
-    backend, want = group.backend, group.want
-    with check("1.global_lr_scale", "ess_lr.global_lr_scale (moments all-gather) on hand-valued items") as e:
-        start(group, e, log)
-        try:
-            from openrlhf_ess.trainer import ess_lr
-
-            items = _hand_items(want)
-        except ImportError as err:
-            pytest.skip(f"openrlhf does not import ({missing_reason(err)}): ess_lr needs its experience module")
-        scale, metrics = ess_lr.global_lr_scale(items, "geo_mean", "sqrt", 0.1)
-        placed(group, e, log.take(), ["all_gather"])
-        distributed.is_multi_rank = group.real_is_multi_rank
-        try:
-            single, _ = ess_lr.global_lr_scale(items, "geo_mean", "sqrt", 0.1)  # the single-process path
-        finally:
-            distributed.is_multi_rank = lambda: True
-        e["numbers"].update(
-            lr_scale=scale, rho_ess=metrics.get("rho_ess"), hand_lr_scale=math.sqrt(9 / 13), hand_rho=9 / 13
-        )
-        expect(e, abs(metrics.get("rho_ess", -1) - 9 / 13) <= 1e-6, f"rho {metrics.get('rho_ess')} != 9/13")
-        expect(e, abs(scale - math.sqrt(9 / 13)) <= 1e-6, f"scale {scale} != sqrt(9/13)")
-        expect(e, scale == single, f"forced multi-rank scale {scale} != single-process {single}")
-        e["summary"] = f"{backend}: 1 all_gather on {want}; rho {metrics.get('rho_ess'):.6f} (9/13), scale {scale:.6f}"
 
 
 def test_host_tensor_refused(check, group):

@@ -1,6 +1,7 @@
 """Check 5: the start-up self-check's placement (``selfcheck.check_placement``) on the reports of ranks started
-here (tests/gpu/ranks.py), rank r on GPU r (passes), and every rank on GPU 0, the defect the check exists for
-(must be refused). On the CPU: two gloo ranks with per-rank fake device ids."""
+here (tests/gpu/ranks.py), rank r on GPU r (passes; on one GPU: one rank), every rank on GPU 0, the defect the check
+exists for (must be refused), and several ranks on distinct devices (needs two GPUs on CUDA: a SKIP on one GPU, that
+only). On the CPU: two gloo ranks with per-rank fake device ids."""
 
 import pytest
 
@@ -18,7 +19,7 @@ def table(reports):
     return [{k: r.get(k) for k in ("rank", "node", "pid", "device", "current_device")} for r in reports]
 
 
-def test_placement(check, args):
+def test_placement(check, args, shared):
     cuda = args.device == "cuda"
     world = world_for(args)
     backend = "nccl" if cuda else "gloo"
@@ -28,10 +29,10 @@ def test_placement(check, args):
             "node = host name, device = GPU UUID (torch.cuda.get_device_properties(i).uuid), pid, current_device"
         )
         e["notes"] += [] if cuda else [FAKE]
-        if world < 2:
-            pytest.skip(
-                f"{world} GPU: a correct placement of several ranks needs as many GPUs (the negative control "
-                "5.placement_control runs regardless)"
+        if world == 1:
+            e["notes"].append(
+                "one GPU: one rank (a NCCL group of one); several ranks on distinct GPUs is 5.placement_distinct, "
+                "which needs two GPUs"
             )
         runs = ranks_ok(launch_ranks(args, "placement", world, {"backend": backend}, 150), "placement ranks")
         reports = [r["report"] for r in runs]
@@ -47,12 +48,42 @@ def test_placement(check, args):
         expect(e, got == want, f"current devices {got}, expected {want}")
         expect(e, len({r["pid"] for r in reports}) == world, "ranks share a pid")
         expect(e, len({r["device"] for r in reports}) == world, f"devices not distinct: {table(reports)}")
+        if cuda:
+            expect(e, all(r["device"].startswith("GPU-") for r in reports), f"not GPU UUIDs: {table(reports)}")
         verdict = selfcheck.check_placement({"actor": gathered}, NO_COLOCATE)  # SelfCheckError: the FAIL
         e["numbers"]["verdict"] = verdict
-        e["summary"] = f"{backend}, {world} ranks: '{verdict}' (rank r on {'cuda:r' if cuda else 'fake id r'})"
-    if not cuda:  # the CPU variant, by hand: two gloo ranks with their fake ids, and the verdict's words
-        assert [r["device"] for r in e["numbers"]["reports"]] == ["CPU-FAKE-0", "CPU-FAKE-1"], e["numbers"]
-        assert e["numbers"]["verdict"] == "placement: 2 trainer ranks on 2 devices"
+        want_verdict = f"placement: {world} trainer ranks on {world} devices"
+        expect(e, verdict == want_verdict, f"verdict {verdict!r}, expected {want_verdict!r}")
+        shared["placement"] = {"world": world, "reports": reports, "verdict": verdict}
+        e["summary"] = f"{backend}, {world} rank(s): '{verdict}' (rank r on {'cuda:r' if cuda else 'fake id r'})"
+    if not cuda:  # the CPU variant, by hand: gloo ranks with their fake ids (two unless --ranks), the verdict's words
+        assert [r["device"] for r in e["numbers"]["reports"]] == [f"CPU-FAKE-{r}" for r in range(world)], e["numbers"]
+        assert e["numbers"]["verdict"] == f"placement: {world} trainer ranks on {world} devices"
+
+
+def test_placement_distinct(check, args, shared):
+    cuda = args.device == "cuda"
+    with check("5.placement_distinct", "several ranks, each on its own device, accepted as distinct") as e:
+        if cuda and world_for(args) < 2:
+            import torch
+
+            pytest.skip(
+                f"needs 2 GPUs: several NCCL ranks each on a GPU of its own (distinct UUIDs); this machine has "
+                f"{torch.cuda.device_count()} (5.placement ran one rank on it, 5.placement_control the GPU-0 defect)"
+            )
+        got = shared.get("placement")
+        if got is None:
+            pytest.fail("5.placement did not run its ranks (it says why)", pytrace=False)
+        devices = [r["device"] for r in got["reports"]]
+        e["numbers"].update(world=got["world"], devices=devices, verdict=got["verdict"])
+        expect(e, got["world"] >= 2, f"{got['world']} rank(s): not several")
+        expect(e, len(set(devices)) == len(devices) == got["world"], f"devices not distinct: {devices}")
+        expect(
+            e,
+            got["verdict"] == f"placement: {got['world']} trainer ranks on {got['world']} devices",
+            f"the verdict does not count {got['world']} devices: {got['verdict']!r}",
+        )
+        e["summary"] = f"{got['world']} ranks on {len(set(devices))} distinct devices: '{got['verdict']}'"
 
 
 def test_placement_control(check, args):

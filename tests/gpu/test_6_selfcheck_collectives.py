@@ -1,5 +1,6 @@
 """Check 6: ``selfcheck.collective_probe`` on every rank of a real process group (tests/gpu/ranks.py),
-``check_collectives`` on the results; on one GPU a world of one with the multi-rank path forced."""
+``check_collectives`` on the results: two gloo ranks on the CPU, one NCCL rank per GPU on CUDA (on one GPU a world of
+one with the multi-rank path forced: NCCL refuses two ranks on one GPU)."""
 
 import copy
 
@@ -19,7 +20,12 @@ def test_collectives(check, args):
         if world < 1:
             pytest.skip("no CUDA device")
         if world == 1:
-            e["notes"].append(FORCED_MULTI_RANK)
+            e["notes"] += [
+                FORCED_MULTI_RANK,
+                "one GPU: the probe's collectives run on the GPU and the verdict is read, but a gather across ranks "
+                "is not: the CPU variant gathers over two gloo ranks, and the start-up self-check of a real run over "
+                "its own NCCL ranks",
+            ]
         runs = ranks_ok(launch_ranks(args, "collectives", world, {"backend": backend}, 150), "collective ranks")
         probes = runs[0]["gathered"]
         e["numbers"].update(

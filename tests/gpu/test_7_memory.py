@@ -1,5 +1,6 @@
-"""Check 7: the memory self-check (``memory_needs`` / ``check_memory``) on a stated 7B case against the arithmetic,
-with this GPU's ``torch.cuda.mem_get_info``."""
+"""Check 7: the memory self-check (``memory_needs`` / ``check_memory``) on a stated 7B case against the arithmetic;
+and, on CUDA, ``memory_probe`` with this GPU's ``torch.cuda.mem_get_info`` while the caching allocator holds a freed
+block: the cached memory must count as free."""
 
 import types
 
@@ -71,43 +72,92 @@ def test_memory_decision(check, args):
         )
 
 
-def test_memory_measured(check, args):
-    with check("7.memory_measured", "selfcheck.memory_probe + check_memory with torch.cuda.mem_get_info") as e:
-        e["notes"].append(MEMORY_CASE_TEXT + "; free and total: this GPU's, measured by memory_probe")
+BLOCK = 256 << 20  # the block 7.memory_measured allocates and frees: the caching allocator keeps it reserved
+# the measured case's args: only the snapshot's partition is needed (no sync check), so the need is model_bytes / world
+CACHED_ARGS = types.SimpleNamespace(
+    algo=types.SimpleNamespace(prox_mode="snapshot", prox_score_memory_mb=0),
+    vllm=types.SimpleNamespace(sync_check_tol=0.0),
+    ds=types.SimpleNamespace(zero_stage=3),
+)
+
+
+def _cache_a_block(nbytes: int) -> None:
+    """Allocate ``nbytes`` on the current CUDA device and free them: PyTorch's caching allocator keeps the block
+    reserved (``memory_reserved`` - ``memory_allocated`` grows by it), free to this process though mem_get_info
+    counts it as taken."""
+    import torch
+
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    del block
+
+
+def test_memory_measured(check, args, monkeypatch):
+    with check("7.memory_measured", "selfcheck.memory_probe counts the allocator's cached memory as free") as e:
+        e["notes"].append(
+            "the product's rule (selfcheck.memory_probe): free = torch.cuda.mem_get_info()'s free + "
+            "(memory_reserved - memory_allocated); here a 256 MiB block is allocated and freed first, so the "
+            "allocator holds at least 256 MiB cached"
+        )
         if args.device != "cuda":
-            pytest.skip("CPU: torch.cuda.mem_get_info needs a CUDA device (7.memory_decision checks the arithmetic)")
+            pytest.skip(
+                "CPU: no caching allocator to hold freed memory (memory_probe measures nothing without CUDA; "
+                "7.memory_decision checks the arithmetic)"
+            )
         import torch
 
         torch.cuda.set_device(0)
         module = torch.nn.Linear(1024, 1000, dtype=torch.bfloat16, device="cuda")  # 1024 x 1000 + 1000 bf16
+        _cache_a_block(BLOCK)
+        reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+        cached = reserved - allocated
+        seen = []  # what mem_get_info gave the probe
+        real_mem_get_info = torch.cuda.mem_get_info
+
+        def recorded(*a, **k):
+            seen.append(real_mem_get_info(*a, **k))
+            return seen[-1]
+
+        monkeypatch.setattr(torch.cuda, "mem_get_info", recorded)
         probe = selfcheck.memory_probe(types.SimpleNamespace(actor=module))  # upstream's actor.actor: the module
-        own_free, own_total = torch.cuda.mem_get_info()
-        e["numbers"].update(probe=probe, mem_get_info=[own_free, own_total])
+        monkeypatch.setattr(torch.cuda, "mem_get_info", real_mem_get_info)
+        e["numbers"].update(
+            probe=probe, mem_get_info=seen, reserved=reserved, allocated=allocated, cached=cached, block=BLOCK
+        )
         want = (1024 * 1000 + 1000) * 2
         expect(e, probe["model_bytes"] == want, f"memory_probe counted {probe['model_bytes']} bytes, expected {want}")
         expect(e, probe["largest_param_bytes"] == 1024 * 1000 * 2, f"largest {probe['largest_param_bytes']}")
-        free, total = probe["free"], probe["total"]
-        expect(e, free is not None and 0 < free <= total, f"mem_get_info gave free {free}, total {total}")
-        expect(e, total == own_total, f"total {total} != torch.cuda.mem_get_info's {own_total}")
-        if free is None:
+        expect(e, cached >= BLOCK, f"the allocator holds {cached} bytes cached after a {BLOCK}-byte block was freed")
+        expect(e, len(seen) == 1, f"memory_probe called mem_get_info {len(seen)} times, expected once")
+        if len(seen) != 1 or probe["free"] is None:
             return
-        verdict, error = _memory_verdict({**case, "free": free, "total": total})
-        refused_by_hand = need > free
-        e["numbers"].update(
-            free_mib=round(free / MiB, 1),
-            total_mib=round(total / MiB, 1),
-            need_mib=round(need / MiB, 1),
-            refused=error is not None,
-            refused_by_hand=refused_by_hand,
-            verdict=verdict,
-            error=error,
-        )
+        raw_free, total = seen[0]
+        free = probe["free"]
+        expect(e, total == probe["total"], f"total {probe['total']} != mem_get_info's {total}")
         expect(
             e,
-            (error is not None) == refused_by_hand,
-            f"check_memory {'refused' if error else 'accepted'} "
-            f"need {need} with free {free}: the arithmetic says {'refuse' if refused_by_hand else 'accept'}",
+            free == raw_free + cached,
+            f"memory_probe's free {free} != mem_get_info's {raw_free} + cached {cached}: the cached memory is not "
+            "counted as free",
         )
-        e["summary"] = f"free {free / MiB:,.0f} of {total / MiB:,.0f} MiB, need {need / MiB:,.0f} MiB: " + (
-            "refused, as the arithmetic says" if error else "accepted, as the arithmetic says"
+        # the verdict: a need above mem_get_info's free but within free + cached must be accepted
+        need_bytes = raw_free + cached // 2
+        report = {"model_bytes": need_bytes, "largest_param_bytes": 0, "world": 1, "free": free, "total": total}
+        needs = selfcheck.memory_needs(CACHED_ARGS, need_bytes, 0, 1)
+        expect(e, sum(needs.values()) == need_bytes, f"memory_needs gave {needs}, expected {need_bytes} in all")
+        try:
+            verdict, error = selfcheck.check_memory([report], CACHED_ARGS), None
+        except selfcheck.SelfCheckError as err:
+            verdict, error = None, str(err)
+        try:
+            selfcheck.check_memory([{**report, "free": raw_free}], CACHED_ARGS)
+            control = None
+        except selfcheck.SelfCheckError as err:
+            control = str(err)
+        e["numbers"].update(need=need_bytes, verdict=verdict, error=error, control_error=control)
+        counted = raw_free + cached
+        expect(e, error is None, f"need {need_bytes} <= mem_get_info's free + cached {counted} refused: {error}")
+        expect(e, control is not None, f"need {need_bytes} > mem_get_info's free {raw_free} accepted without cache")
+        e["summary"] = (
+            f"{cached / MiB:,.0f} MiB cached counted as free ({free / MiB:,.0f} = {raw_free / MiB:,.0f} + "
+            f"{cached / MiB:,.0f} MiB); a need between the two accepted, refused without the cache"
         )
