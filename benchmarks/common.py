@@ -58,3 +58,16 @@ def peak_allocated_bytes(fn) -> int:
         (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
     )
     return max(itertools.accumulate(n for _, n in events), default=0)
+
+
+def write_table(module: str, setting: str, lines: List[str], out) -> None:
+    """Print the tables under the command that reproduces them (``python -m benchmarks.<module>`` and this run's
+    arguments) and ``setting`` (threads, dtype, repetitions), and write the same to ``out`` when given."""
+    import sys
+
+    cmd = f"python -m benchmarks.{module} " + " ".join(sys.argv[1:])
+    text = f"Command: `{cmd}` ({setting})\n\n" + "\n".join(lines)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    print(text)

@@ -76,18 +76,23 @@ def whole_forward(reps: int, batch: int, prompt: int, actions: int, hidden: int)
     return t_plain, t_opob
 
 
-def norms_alone(reps: int, actions: int, hidden: int):
+def _one_response(actions: int, hidden: int):
+    """One response of ``actions`` tokens at the LM head (V = 151,936): its inputs h, the head's weight, the tokens,
+    the mask and the logits z = h·Wᵀ."""
     import torch
-
-    from benchmarks.common import peak_allocated_bytes
-    from openrlhf_ess.models import opob
 
     torch.manual_seed(0)
     h = torch.randn(1, actions, hidden)
     w = torch.randn(V, hidden) / hidden**0.5
-    y = torch.randint(0, V, (1, actions))
-    m = torch.ones(1, actions)
-    z = h @ w.T
+    return h, w, torch.randint(0, V, (1, actions)), torch.ones(1, actions), h @ w.T
+
+
+def norms_alone(reps: int, actions: int, hidden: int):
+
+    from benchmarks.common import peak_allocated_bytes
+    from openrlhf_ess.models import opob
+
+    h, w, y, m, z = _one_response(actions, hidden)
 
     def head():
         h @ w.T
@@ -103,17 +108,11 @@ def norms_alone(reps: int, actions: int, hidden: int):
 def methods(reps: int, actions: int, hidden: int):
     """The two exact ways of the norms (models/opob.py: ``gram`` A²·V, ``direct`` A·V·H) against the LM head's own
     forward, with the peak each adds."""
-    import torch
 
     from benchmarks.common import peak_allocated_bytes
     from openrlhf_ess.models import opob
 
-    torch.manual_seed(0)
-    h = torch.randn(1, actions, hidden)
-    w = torch.randn(V, hidden) / hidden**0.5
-    y = torch.randint(0, V, (1, actions))
-    m = torch.ones(1, actions)
-    z = h @ w.T
+    h, w, y, m, z = _one_response(actions, hidden)
     out = {}
     for method in ("gram", "direct"):
         t_head, t_norms = _median_pair(
@@ -185,12 +184,9 @@ def main() -> None:
 
 
 def _write(a, lines) -> None:
-    cmd = "python -m benchmarks.opob_cost " + " ".join(sys.argv[1:])
-    text = f"Command: `{cmd}` (1 CPU thread, fp32, median of {a.reps} interleaved repetitions)\n\n" + "\n".join(lines)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    from benchmarks.common import write_table
+
+    write_table("opob_cost", f"1 CPU thread, fp32, median of {a.reps} interleaved repetitions", lines, a.out)
 
 
 if __name__ == "__main__":

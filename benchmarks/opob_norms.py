@@ -119,12 +119,9 @@ def main() -> None:
                 f"{s['t_full']:.3f} | {s['hook_vs_autograd']:.1e} |"
             )
             print(lines[-1], flush=True)
-    cmd = "python -m benchmarks.opob_norms " + " ".join(sys.argv[1:])
-    text = f"Command: `{cmd}` (1 CPU thread, fp32)\n\n" + "\n".join(lines)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    from benchmarks.common import write_table
+
+    write_table("opob_norms", "1 CPU thread, fp32", lines, a.out)
 
 
 if __name__ == "__main__":

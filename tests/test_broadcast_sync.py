@@ -35,7 +35,9 @@ from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 from tests.helpers.ports import free_port
 
 BROADCAST = ["--vllm.sync_backend", "gloo"]  # with the substitution: upstream's non-IPC broadcast, as nccl on a GPU
-TENSORS = 17  # the tiny model's tensors as the engine names them (q/k/v and gate/up fused)
+# The tiny model's tensors as the check compares them: per layer, qkv_proj's weight and bias as their q, k, v parts
+# (6), o_proj, gate_up_proj (fused), down_proj and two norms (11); then embed_tokens, norm and lm_head (3).
+TENSORS = 25
 
 
 # ---- the communicator alone: upstream's stateless_init_process_group, three processes --------------------

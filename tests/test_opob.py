@@ -24,6 +24,17 @@ def _tiny_qwen2(seed=0, vocab=40, hidden=32):
     return Qwen2ForCausalLM(config).double().eval()
 
 
+def _head_io(model, seq, n_actions):
+    """The LM head's inputs h and logits z at the positions that score the last ``n_actions`` tokens (upstream
+    Actor.forward's slicing: logits at L-1-A .. L-2 score tokens L-A .. L-1), and those tokens."""
+    captured = {}
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.update(h=i[0].detach(), z=o.detach()))
+    with torch.no_grad():
+        model(seq)
+    hook.remove()
+    return captured["h"][:, -n_actions - 1 : -1], captured["z"][:, -n_actions - 1 : -1], seq[:, -n_actions:]
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_lm_head_norms_equal_per_sample_autograd_float64(temperature):
     """Each row's ‖∇_W Σ_t m_t log π(y_t)‖² (W = lm_head.weight) from the ghost-norm identity equals the norm of the
@@ -35,13 +46,7 @@ def test_lm_head_norms_equal_per_sample_autograd_float64(temperature):
     mask = torch.ones(B, A)
     mask[1, 5:] = 0  # a shorter response
     mask[2, :2] = 0  # masked (environment) tokens
-    captured = {}
-    hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.update(h=i[0].detach(), z=o.detach()))
-    with torch.no_grad():
-        model(seq)
-    hook.remove()
-    # logits at positions L-1-A .. L-2 score tokens L-A .. L-1 (upstream Actor.forward's slicing)
-    h, z, y = captured["h"][:, -A - 1 : -1], captured["z"][:, -A - 1 : -1], seq[:, -A:]
+    h, z, y = _head_io(model, seq, A)
     ours = opob.lm_head_sq_grad_norms(h, z, y, mask, temperature=temperature, vocab_chunk=16)
     # both exact methods (A = 7 < H: auto is the A x A one; the direct gradient blocks cost A·V·H instead)
     direct = opob.lm_head_sq_grad_norms(h, z, y, mask, temperature=temperature, vocab_chunk=16, method="direct")
@@ -67,12 +72,7 @@ def test_long_responses_take_the_direct_gradient_and_equal_autograd():
     seq = torch.randint(0, 40, (B, L))
     mask = torch.ones(B, A)
     mask[0, 15:] = 0
-    captured = {}
-    hook = model.lm_head.register_forward_hook(lambda m, i, o: captured.update(h=i[0].detach(), z=o.detach()))
-    with torch.no_grad():
-        model(seq)
-    hook.remove()
-    h, z, y = captured["h"][:, -A - 1 : -1], captured["z"][:, -A - 1 : -1], seq[:, -A:]
+    h, z, y = _head_io(model, seq, A)
     auto = opob.lm_head_sq_grad_norms(h, z, y, mask, temperature=0.8, vocab_chunk=7)
     gram = opob.lm_head_sq_grad_norms(h, z, y, mask, temperature=0.8, vocab_chunk=7, method="gram")
     expected = []

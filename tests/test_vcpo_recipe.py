@@ -17,17 +17,13 @@ REFERENCE = {
 
 
 def _argv(world, *extra):
-    return [
-        "--actor.model_name_or_path",
-        world["model"],
-        "--data.prompt_dataset",
-        world["prompts"],
-        "--reward.remote_url",
-        world["reward"],
-        "--vllm.num_engines",
-        "1",
-        "--ds.attn_implementation",
-        "sdpa",
+    """The config tests' base flags without their estimator (the recipe sets GRPO), on 4 prompts per step."""
+    from tests.test_config import _base
+
+    argv = _base(world)
+    at = argv.index("--algo.advantage.estimator")
+    del argv[at : at + 2]
+    return argv + [
         "--rollout.batch_size",
         "4",
         "--rollout.micro_batch_size",
