@@ -770,6 +770,13 @@ def train(args) -> None:
         ray.shutdown()
 
 
+# How long a signalled run's own processes get to exit on SIGTERM before SIGKILL. The whole clean-up must fit in the
+# scheduler's grace period (docker stop: 10 s, then SIGKILL); with 10 s here the run took 10.3-11.9 s from the signal
+# to its exit (measured, idle and beside two busy processes), since a Ray process always used the whole wait, and
+# what followed it (the /dev/shm files, the lock, the temp folder) was cut short.
+STOP_GRACE_S = 3.0
+
+
 def end_after_a_signal(watch: shm_cleanup.ShmWatch) -> None:
     """A run on its private Ray instance, stopped by SIGTERM/SIGHUP: end it without relying on Ray.
 
@@ -777,9 +784,9 @@ def end_after_a_signal(watch: shm_cleanup.ShmWatch) -> None:
     ``ray.shutdown()`` ends this process at once (Ray's core worker: "the local Raylet is dead", exit 1) and no
     atexit hook runs after it, and the vLLM engine processes, in their actor's own process group, outlive the run
     (both seen: a psm_* file and an EngineCore left). So: every process of the run is ended by PID (SIGTERM, then
-    SIGKILL after 10 s), the run's /dev/shm files are removed, the run lock released, the Ray temp folder
-    removed, and the process exits with 128 + the signal (``signals.exit_now``)."""
-    ended = watch.end_processes(grace_s=10.0)
+    SIGKILL after :data:`STOP_GRACE_S`), the run's /dev/shm files are removed, the run lock released, the Ray temp
+    folder removed, and the process exits with 128 + the signal (``signals.exit_now``)."""
+    ended = watch.end_processes(grace_s=STOP_GRACE_S)
     print(f"[openrlhf-ess] ended the run's {ended} other process(es) (Ray, its workers, vLLM), by PID", flush=True)
     signals.exit_now(before=[lambda: watch.sweep(wait_s=0.0)])
 
