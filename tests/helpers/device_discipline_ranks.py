@@ -91,8 +91,9 @@ def main():
         result["selfcheck_collectives"] = [name for name, _ in calls]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    from tests.helpers.rank_exit import finish_rank
+
+    finish_rank()
 
 
 if __name__ == "__main__":

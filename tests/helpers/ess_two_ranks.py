@@ -51,10 +51,9 @@ def main() -> None:
     with open(os.path.join(out_dir, f"{case}_rank{rank}.json"), "w") as f:
         json.dump({"scale": scale, **metrics}, f)
     if rank >= 0:
-        # Both ranks reach this point before either tears gloo down: a rank that destroys its group while
-        # the peer is still mid-collective makes gloo abort ("terminate called without an active exception").
-        dist.barrier()
-        dist.destroy_process_group()
+        from tests.helpers.rank_exit import finish_rank
+
+        finish_rank()
 
 
 if __name__ == "__main__":
