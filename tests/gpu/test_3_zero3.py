@@ -161,6 +161,14 @@ def _zero3_measure(args, route: str, notes: List[str]) -> dict:
         seconds[name] = round(time.perf_counter() - t0, 4)
         left[name] = gathered_elements(module)
 
+    if cuda:
+        # The first float64 torch.dot of a process makes cuBLAS's workspace (32 MiB on an H200, through the caching
+        # allocator): a one-time, constant cost that a real run has paid in its first training step, before any
+        # sync. Measured on an H200, without this the checksums phase grew by exactly 32 MiB + its chunk + 1 MiB.
+        before = torch.cuda.memory_allocated()
+        sync_check.checksum(torch.ones(8, dtype=torch.bfloat16, device="cuda"))
+        torch.cuda.synchronize()
+        m["warmup_bytes_kept"] = torch.cuda.memory_allocated() - before
     with peak.sampling(forwards=False):
         phase("checksums", ws.trainer_checksums)
         phase("synced_state", ws.synced_state)
@@ -177,6 +185,7 @@ def _zero3_measure(args, route: str, notes: List[str]) -> dict:
         compared=compared,
         checksum_elements=sum(v[2] for v in results["checksums"].values()),
     )
+    m["world_size"] = torch.distributed.get_world_size()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return m
@@ -243,18 +252,33 @@ def test_zero3_gather_memory(check, args, shared):
             largest_param_bytes=largest * elem,
             whole_partitioned_bytes=m["whole_partitioned_numel"] * elem,
             checksums_float64_copies=copies,
+            cublas_warmup_bytes_kept=m.get("warmup_bytes_kept"),
+            world_size=m["world_size"],
         )
         for name in ("checksums", "synced_state"):
             why = ""
             if name == "checksums":
                 why = f" (= largest parameter + {copies} float64 copies of it: see 2.checksum_memory)"
             expect(e, memory[name] <= bound, f"{name} grew the peak by {memory[name]} bytes, above {bound}" + why)
-        expect(
-            e,
-            memory["whole_model_control"] > bound,
-            f"the whole-model control grew the peak by {memory['whole_model_control']} bytes only, not above the "
-            f"bound {bound}: this model cannot tell one parameter from the whole",
-        )
+        world = m["world_size"]
+        control_sees = memory["whole_model_control"] > bound
+        if world > 1:
+            expect(
+                e,
+                control_sees,
+                f"the whole-model control grew the peak by {memory['whole_model_control']} bytes only, not above "
+                f"the bound {bound}: this model cannot tell one parameter from the whole",
+            )
+        elif not control_sees:
+            # Measured on an H200 (world of one): gathering all 21M parameters grew the peak by the float64 chunk
+            # alone. The partition is the whole parameter, so a gather allocates nothing: memory cannot tell one
+            # parameter from the whole here, and 3.zero3_gather_elements (ZeRO-3's parameter status) is the
+            # check of the gathers. This entry still bounds what the checksums and the copies allocate.
+            e["notes"].append(
+                f"world of one: the whole-model control grew the peak by {memory['whole_model_control']} bytes "
+                "(a gather allocates nothing when the partition is the whole parameter), so this entry bounds "
+                "what the checksums and copies allocate, not the gathers; 3.zero3_gather_elements checks those"
+            )
         e["summary"] = (
             f"route {m['route']}: peak +{memory['checksums'] / 2**20:.2f} / +{memory['synced_state'] / 2**20:.2f} MiB "
             f"(bound {bound / 2**20:.2f} MiB); whole-model control +{memory['whole_model_control'] / 2**20:.2f} MiB"
