@@ -30,7 +30,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import gloo_broadcast
+from tests.helpers import gloo_broadcast, span_gate
 from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 from tests.helpers.ports import free_port
 
@@ -91,9 +91,10 @@ def test_gloo_communicator_stands_in_for_pynccl():
 # ---- the whole pipeline --------------------------------------------------------------------------------
 
 
-def _run(args: list, run_dir: str, mode: str = "1"):
-    """Our CLI under the test launcher (the substitution in every process), with upstream's broadcast."""
-    env = {gloo_broadcast.ENV: mode}
+def _run(args: list, run_dir: str, mode: str = "1", gate: str = ""):
+    """Our CLI under the test launcher (the substitution in every process), with upstream's broadcast; ``gate``: a
+    file path for tests/helpers/span_gate.py (every sync lands inside a rollout batch)."""
+    env = {gloo_broadcast.ENV: mode, **({span_gate.ENV: gate} if gate else {})}
     return run_cli(args + BROADCAST, run_dir, launcher=gloo_broadcast.LAUNCHER, env=env, timeout=900)
 
 
@@ -151,17 +152,20 @@ def _interrupt_flags(audit: str) -> list:
 
 
 def _long_responses(args: list) -> list:
-    """Responses in flight span the weight sync whatever the machine's load (as in test_prox_modes)."""
+    """Long responses: the engine holds a batch's requests at the span gate after their first tokens
+    (tests/helpers/span_gate.py), and their remaining tokens come after the sync."""
     for flag, value in (("--rollout.max_new_tokens", "160"), ("--data.max_len", "192")):
         args[args.index(flag) + 1] = value
     return args
 
 
-def _check_exact_run(tiny_world, run_dir, audit, rc, log, steps, spans_required=True):
+def _check_exact_run(tiny_world, run_dir, audit, rc, log, steps, gate):
     from tests.test_prox_modes import audit_exactness
 
     assert rc == 0, log[-6000:]
     assert "Traceback" not in log, log[-6000:]
+    # the span gate held the engine inside a batch at the syncs (steps - 1 of them have a next batch)
+    assert span_gate.held(gate), "the span gate never held a step: no sync landed inside a batch"
     _check_upstream_broadcast_ran(log, syncs=steps)
     scalars = read_tensorboard(run_dir)
     assert len(scalars["train/timing/broadcast"]) == steps
@@ -171,8 +175,7 @@ def _check_exact_run(tiny_world, run_dir, audit, rc, log, steps, spans_required=
     # π_prox: every token scored with its own version's weights (as synced), not the current ones
     checked, stale, spanning, worst, recompute_gap = audit_exactness(audit, tiny_world["model"], steps)
     assert checked > 200 and stale > 0
-    if spans_required:
-        assert spanning > 0, "no response spanned a weight sync: the partial-rollout case went untested"
+    assert spanning > 0, "no response spanned a weight sync: the partial-rollout case went untested"
     assert worst < 1e-4, f"pi_prox differs from its version's weights by {worst:.2e}"
     assert recompute_gap > 1e-3
     # μ: the engine sampled each token with the weights of the version it is tagged with
@@ -195,8 +198,9 @@ def test_broadcast_interrupt_zero3_exact(tiny_world, tmp_path):
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = _long_responses(tiny_args(tiny_world, run_dir, steps_prompts=24)) + _interrupt_flags(audit)
     args[args.index("--ds.zero_stage") + 1] = "3"
-    rc, log = _run(args, run_dir)
-    _check_exact_run(tiny_world, run_dir, audit, rc, log, steps=3)
+    gate = str(tmp_path / "span_gate")
+    rc, log = _run(args, run_dir, gate=gate)
+    _check_exact_run(tiny_world, run_dir, audit, rc, log, steps=3, gate=gate)
 
 
 @pytest.mark.stack
@@ -243,5 +247,6 @@ def test_broadcast_exact_modes(tiny_world, tmp_path, mode, extra):
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = _long_responses(tiny_args(tiny_world, run_dir, steps_prompts=24)) + _interrupt_flags(audit)
     args[args.index("interrupt")] = mode
-    rc, log = _run(args + extra, run_dir)
-    _check_exact_run(tiny_world, run_dir, audit, rc, log, steps=3, spans_required=not extra)
+    gate = str(tmp_path / "span_gate")
+    rc, log = _run(args + extra, run_dir, gate=gate)
+    _check_exact_run(tiny_world, run_dir, audit, rc, log, steps=3, gate=gate)

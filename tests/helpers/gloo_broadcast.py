@@ -144,9 +144,11 @@ def install() -> None:
 def setup_ray_worker() -> None:
     """Ray's ``worker_process_setup_hook`` in the test run: the CLI's own hook, then the substitution."""
     from openrlhf_ess.runtime import worker_hook
+    from tests.helpers import span_gate
 
     worker_hook.setup_worker()
     install()
+    span_gate.install_trainer()  # OPENRLHF_ESS_TEST_SPAN_GATE set: syncs land inside a batch
 
 
 @contextlib.contextmanager
@@ -193,8 +195,12 @@ def _worker_extension_class():
         ``init_process_group`` and ``update_weight`` run on CPU with the substitution of the module docstring."""
 
         def init_process_group(self, *args, **kwargs):
-            """Upstream's, after installing the substitution in this (engine worker) process."""
+            """Upstream's, after installing the substitution (and the span gate, if set) in this (engine worker)
+            process."""
+            from tests.helpers import span_gate
+
             install()
+            span_gate.gate_worker(self.model_runner)
             return super().init_process_group(*args, **kwargs)
 
         def update_weight(self, name, dtype, shape, empty_cache=False):
@@ -261,6 +267,7 @@ def main(argv) -> None:
     from openrlhf_ess import config
     from openrlhf_ess.cli import train_ppo_ray as cli
     from openrlhf_ess.trainer.ray import vllm_engine
+    from tests.helpers import span_gate
 
     _allow_gloo_on_cpu(config)
     runtime_env = cli._runtime_env
@@ -268,6 +275,8 @@ def main(argv) -> None:
     def test_runtime_env():
         env = runtime_env()
         env["env_vars"][ENV] = os.environ[ENV]
+        if os.environ.get(span_gate.ENV):
+            env["env_vars"][span_gate.ENV] = os.environ[span_gate.ENV]
         env["worker_process_setup_hook"] = "tests.helpers.gloo_broadcast.setup_ray_worker"
         return env
 

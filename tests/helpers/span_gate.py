@@ -1,0 +1,180 @@
+"""TEST-ONLY: make every weight sync of an async partial-rollout run land inside a rollout batch.
+
+An exactness test of partial rollouts needs responses that span a sync (tokens sampled under two versions). In an
+async run that happens only if the engine is still generating the next batch when the trainer pauses it for the
+sync, a race between generation and the training step: on a loaded 2-core machine the engine sometimes finished
+the batch first, and the test found nothing to check. The gate orders the two by the run's progress instead:
+
+- trainer (:func:`install_trainer`): the actor's rank 0 arms the gate (a file, ``OPENRLHF_ESS_TEST_SPAN_GATE``,
+  holding a counter) at the start of its training step on batch k, once the check of the last sync (which talks
+  to the engines) is done; the training actor releases it (removes the file) right before upstream's
+  ``broadcast_to_vllm`` pauses the engines. Meanwhile the generator is working on batch k + 1 (it got its slot back when the trainer
+  took batch k);
+- engine worker (:func:`gate_worker`): while the gate is armed, the model runner runs one forward step that
+  schedules tokens (the batch's first token, or a step of requests already running) and then waits at the start
+  of the next one until the gate is released. The requests it holds are in flight at the pause, so their first
+  tokens carry version v and the rest v + 1.
+
+The release comes before the pause (the pause waits for the engine's current step, so a release after it would
+deadlock). A gate not released within :data:`LIMIT_S` raises in the engine, naming the variable: a failed run,
+never a hang. The last batch arms a gate that nothing waits at (the generator has no prompts left).
+
+Used by ``tests.helpers.gloo_broadcast``'s launcher when the variable is set (it forwards it to the Ray workers,
+whose set-up hook calls :func:`install_trainer`; its worker extension calls :func:`gate_worker`).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+
+ENV = "OPENRLHF_ESS_TEST_SPAN_GATE"
+LIMIT_S = 300.0
+TRAINER_MODULE = "openrlhf.trainer.ppo_trainer_async"  # upstream's
+WEIGHT_SYNC_MODULE = "openrlhf_ess.trainer.weight_sync"
+
+
+def path() -> str:
+    return os.environ.get(ENV, "")
+
+
+def armed(gate: str):
+    """The counter of the armed gate, or None when released."""
+    try:
+        with open(gate) as f:
+            return int(f.read())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def release(gate: str) -> None:
+    try:
+        os.remove(gate)
+    except FileNotFoundError:
+        pass
+
+
+def arm(gate: str) -> int:
+    """Arm the gate with the next counter (atomically; ``<gate>.count`` keeps the counter across releases)."""
+    try:
+        with open(f"{gate}.count") as f:
+            n = int(f.read() or 0) + 1
+    except FileNotFoundError:
+        n = 1
+    with open(f"{gate}.count", "w") as f:
+        f.write(str(n))
+    tmp = f"{gate}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(n))
+    os.replace(tmp, gate)
+    return n
+
+
+def held(gate: str) -> list:
+    """The counters of the gates at which the engine held a step (``<gate>.held``): evidence the gate worked."""
+    try:
+        with open(f"{gate}.held") as f:
+            return [int(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def patch_weight_sync_class(cls) -> None:
+    """Rank 0 of the actor arms the gate once ``check_if_due`` returned: the sync check talks to the engines
+    (checksums, the canary's log-probs) through their engine loop, which a held step would block."""
+    check_if_due = cls.check_if_due
+
+    def check_then_arm(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        out = check_if_due(self, *args, **kwargs)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            arm(path())
+        return out
+
+    cls.check_if_due = check_then_arm
+
+
+def patch_pause(module) -> None:
+    """Upstream's async training actor pauses the engines for a sync with its module's ``batch_vllm_engine_call(
+    engines, "pause_generation")``: release the gate just before. (Not a method patch: Ray ships an actor class's
+    methods inside the class it pickles, so patching the class in the actor's process changes nothing.)"""
+    call = module.batch_vllm_engine_call
+
+    def releasing_call(engines, method_name, *args, **kwargs):
+        if method_name == "pause_generation":
+            release(path())
+        return call(engines, method_name, *args, **kwargs)
+
+    module.batch_vllm_engine_call = releasing_call
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``fn(module)`` right after ``name`` is first imported (the set-up hook runs before the trainer's module
+    is imported, and importing it there would load DeepSpeed and OpenRLHF into every Ray worker)."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        exec_module, fn = spec.loader.exec_module, self.fn
+
+        def exec_then_patch(module):
+            exec_module(module)
+            fn(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+PATCHES = {
+    TRAINER_MODULE: patch_pause,
+    WEIGHT_SYNC_MODULE: lambda module: patch_weight_sync_class(module.WeightSync),
+}
+
+
+def install_trainer() -> None:
+    """In a Ray worker (set-up hook): patch the training actor's and the weight sync's classes where they are (or
+    will be) defined."""
+    if not path():
+        return
+    for name, patch in PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+        elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterImport(name, patch))
+
+
+def gate_worker(model_runner) -> None:
+    """In the engine's worker: the model runner's ``execute_model`` waits at the gate (module docstring)."""
+    gate = path()
+    if not gate or getattr(model_runner, "_span_gated", False):
+        return
+    execute = model_runner.execute_model
+    state = {"arm": None, "steps": 0}
+
+    def gated(scheduler_output, *args, **kwargs):
+        n = armed(gate)
+        if n is not None and getattr(scheduler_output, "total_num_scheduled_tokens", 0) > 0:
+            if n != state["arm"]:
+                state["arm"], state["steps"] = n, 0
+            if state["steps"] >= 1:
+                deadline = time.monotonic() + LIMIT_S
+                while armed(gate) == n:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{ENV}: gate {n} not released in {LIMIT_S:.0f} s (tests only)")
+                    time.sleep(0.01)
+                with open(f"{gate}.held", "a") as f:
+                    f.write(f"{n}\n")
+            state["steps"] += 1
+        return execute(scheduler_output, *args, **kwargs)
+
+    model_runner.execute_model = gated
+    model_runner._span_gated = True
