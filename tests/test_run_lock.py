@@ -5,6 +5,7 @@ a sleep, so no Ray starts); every process a test starts is ended by its PID on e
 """
 
 import json
+import errno
 import os
 import signal
 import socket
@@ -149,6 +150,35 @@ def test_release_is_idempotent_and_not_done_by_a_forked_child(tmp_path):
     lock.release()
     lock.release()
     assert not os.path.exists(lock.path)
+
+
+def test_a_lock_in_a_folder_that_became_unwritable_is_emptied_and_named(tmp_path, monkeypatch):
+    """The folder turned read-only during the run: the file cannot be removed, so it is emptied (no holder for the
+    next run to refuse) and the user is told which file it is. Root ignores a folder's write bit, so as root the
+    refusal is injected at ``os.unlink`` with the error a read-only folder gives."""
+    folder = tmp_path / "ckpts"
+    lines = []
+    lock = run_lock.acquire("--ckpt.path", str(folder), log=lines.append)
+    if os.geteuid() == 0:
+
+        def unlink(path, *a, **k):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+        monkeypatch.setattr(run_lock.os, "unlink", unlink)
+    else:
+        folder.chmod(0o555)
+    try:
+        lock.release()
+    finally:
+        folder.chmod(0o755)
+        monkeypatch.undo()
+    assert os.path.getsize(lock.path) == 0
+    assert len(lines) == 1, lines
+    assert lock.path in lines[0] and "--ckpt.path" in lines[0] and "no longer writable" in lines[0], lines[0]
+    assert "emptied" in lines[0] and "Permission denied" in lines[0], lines[0]
+    taken = []
+    run_lock.acquire("--ckpt.path", str(folder), log=taken.append).release()
+    assert taken == [] and not os.path.exists(lock.path)  # the next run takes the empty file over without a word
 
 
 def _args(tmp_path, save_steps=-1, load=False, ckpt_path=None):

@@ -127,23 +127,30 @@ def lock_dirs(args) -> List[Tuple[str, str]]:
 class RunLock:
     """An exclusive lock on one folder, held by an open file descriptor (its flock) until :meth:`release`."""
 
-    def __init__(self, flag: str, folder: str, fd: int):
-        self.flag, self.folder, self.fd = flag, folder, fd
+    def __init__(self, flag: str, folder: str, fd: int, log: Callable[[str], None] = print):
+        self.flag, self.folder, self.fd, self.log = flag, folder, fd, log
         self.path = os.path.join(folder, LOCK_NAME)
         self.owner = os.getpid()
 
     def release(self) -> None:
-        """Remove the file and drop the flock. Idempotent; a forked child (which shares the flock) does nothing."""
+        """Remove the file and drop the flock. Idempotent; a forked child (which shares the flock) does nothing.
+        A file that cannot be removed (the folder became unwritable) is emptied, which the next run takes over
+        without a word, and the user is told which file it is."""
         if self.fd < 0 or os.getpid() != self.owner:
             return
         try:
             if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 os.unlink(self.path)
-        except OSError:
-            try:  # the folder became unwritable: an empty file names no holder, so the next run takes it silently
+        except OSError as e:
+            try:
                 os.ftruncate(self.fd, 0)
+                kept = "emptied; the next run with this folder takes it over"
             except OSError:
-                pass
+                kept = "left as it is; the next run sees that this process has ended and takes it over"
+            self.log(
+                f"[openrlhf-ess] run lock: could not remove {self.path} ({e.strerror}: {self.flag} {self.folder} is "
+                f"no longer writable); the file was {kept}. Delete it once the folder is writable again if you like."
+            )
         finally:
             os.close(self.fd)
             self.fd = -1
@@ -204,7 +211,7 @@ def acquire(flag: str, folder: str, log: Callable[[str], None] = print, argv: Op
                 "running (it was killed before it could remove the file)"
             )
         _write(fd, this_process(argv))
-        return RunLock(flag, folder, fd)
+        return RunLock(flag, folder, fd, log)
     raise ConfigError(f"{flag} {folder}: could not take the lock {path} (it kept being replaced). Try again.")
 
 
