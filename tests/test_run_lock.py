@@ -4,8 +4,8 @@ The holder is a real second process (a bare Python holding the lock, or the CLI 
 a sleep, so no Ray starts); every process a test starts is ended by its PID on every exit.
 """
 
-import json
 import errno
+import json
 import os
 import signal
 import socket
