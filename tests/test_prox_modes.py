@@ -252,20 +252,23 @@ def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_pa
     snapshot scores stale tokens when the batch is consumed; interrupt (the actor's one kept copy) and
     dedicated (a separate old-log-prob model) score them at the weight sync that retires their version,
     in-flight prefixes included."""
+    from tests.helpers import span_gate
     from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=24)
     for flag, value in (("--rollout.max_new_tokens", "160"), ("--data.max_len", "192")):
-        # long responses: generating a batch takes longer than training on the previous one, so responses
-        # in flight span the weight sync whatever the machine's load (48 tokens was not always enough)
+        # long responses, held at the span gate after their first tokens until the sync (from the second sync
+        # on: tests/helpers/span_gate.py), so responses in flight span it by the run's progress
         args[args.index(flag) + 1] = value
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--ds.param_dtype", "fp32"]
     flags += ["--vllm.dtype", "float32", "--algo.prox_mode", mode, "--algo.prox_audit_dir", audit]
     if mode == "snapshot":
         flags += ["--algo.prox_snapshots", "3"]
-    rc, log = run_cli(args + flags + extra, run_dir)
+    gate = str(tmp_path / "span_gate")
+    rc, log = run_cli(args + flags + extra, run_dir, launcher=span_gate.LAUNCHER, env={span_gate.ENV: gate})
     assert rc == 0, log[-5000:]
+    assert span_gate.held(gate), "the span gate never held a step: no sync was made to land inside a batch"
     tb = read_tensorboard(run_dir)
     assert sum(v for _, v in tb["train/prox/masked_missing_tokens"]) == 0  # every stale token was scored
     if mode != "snapshot":
@@ -277,8 +280,7 @@ def test_exact_modes_through_the_whole_async_partial_pipeline(tiny_world, tmp_pa
         f"worst {worst:.1e}, recompute off by {recompute_gap:.2e}"
     )
     assert checked > 200 and stale_checked > 0
-    if not extra:  # the variants (ZeRO-3, two ranks) test their weights; whether a response spans a sync is timing
-        assert mixed_responses > 0, "no response spanned a weight sync: the partial-rollout case went untested"
+    assert mixed_responses > 0, "no response spanned a weight sync: the partial-rollout case went untested"
     assert worst < 1e-4, f"pi_prox differs from its version's weights by {worst:.2e}"
     assert recompute_gap > 1e-3, "recompute would have been indistinguishable: the test could not fail"
 

@@ -8,8 +8,8 @@ the batch first, and the test found nothing to check. The gate orders the two by
 - trainer (:func:`install_trainer`): the actor's rank 0 arms the gate (a file, ``OPENRLHF_ESS_TEST_SPAN_GATE``,
   holding a counter) at the start of its training step on batch k, once the check of the last sync (which talks
   to the engines) is done; the training actor releases it (removes the file) right before upstream's
-  ``broadcast_to_vllm`` pauses the engines. Meanwhile the generator is working on batch k + 1 (it got its slot back when the trainer
-  took batch k);
+  ``broadcast_to_vllm`` pauses the engines. Meanwhile the generator is working on batch k + 1 (it got its slot
+  back when the trainer took batch k);
 - engine worker (:func:`gate_worker`): while the gate is armed, the model runner runs one forward step that
   schedules tokens (the batch's first token, or a step of requests already running) and then waits at the start
   of the next one until the gate is released. The requests it holds are in flight at the pause, so their first
@@ -19,8 +19,14 @@ The release comes before the pause (the pause waits for the engine's current ste
 deadlock). A gate not released within :data:`LIMIT_S` raises in the engine, naming the variable: a failed run,
 never a hang. The last batch arms a gate that nothing waits at (the generator has no prompts left).
 
-Used by ``tests.helpers.gloo_broadcast``'s launcher when the variable is set (it forwards it to the Ray workers,
-whose set-up hook calls :func:`install_trainer`; its worker extension calls :func:`gate_worker`).
+Two ways in, both test-only launchers of our CLI that forward the variable to the Ray workers (whose set-up hook
+calls :func:`install_trainer`) and name a worker extension that calls :func:`gate_worker`:
+
+- ``tests.helpers.gloo_broadcast`` (upstream's broadcast sync): the gate is on from the engine's start
+  (``init_process_group``), so every sync with a next batch lands inside it;
+- this module, ``python -m tests.helpers.span_gate openrlhf_ess.cli.train_ppo_ray ARGS`` (our reload sync): the
+  worker is first reached at the first sync's weight load, so the gate holds from the second sync on (a run of
+  three steps: the second sync lands inside the third batch; the first may or may not).
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ import sys
 import time
 
 ENV = "OPENRLHF_ESS_TEST_SPAN_GATE"
+LAUNCHER = [sys.executable, "-m", "tests.helpers.span_gate"]
+WORKER_EXTENSION = "tests.helpers.span_gate.SpanGateWorkerWrap"
+CLI_MODULE = "openrlhf_ess.cli.train_ppo_ray"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIMIT_S = 300.0
 TRAINER_MODULE = "openrlhf.trainer.ppo_trainer_async"  # upstream's
 WEIGHT_SYNC_MODULE = "openrlhf_ess.trainer.weight_sync"
@@ -178,3 +188,73 @@ def gate_worker(model_runner) -> None:
 
     model_runner.execute_model = gated
     model_runner._span_gated = True
+
+
+def setup_ray_worker() -> None:
+    """Ray's ``worker_process_setup_hook`` under this launcher: the CLI's own hook, then the trainer's patches."""
+    from openrlhf_ess.runtime import worker_hook
+
+    worker_hook.setup_worker()
+    install_trainer()
+
+
+def _worker_extension_class():
+    from openrlhf_ess.trainer.ray.vllm_worker_wrap import WorkerWrap
+
+    class SpanGateWorkerWrap(WorkerWrap):
+        """TEST-ONLY vLLM worker extension: our ``WorkerWrap``, whose reload-sync entry points put the span gate
+        on the model runner (once) before loading."""
+
+        def stage_weights_from_safetensors(self, blob):
+            gate_worker(self.model_runner)
+            return super().stage_weights_from_safetensors(blob)
+
+        def load_weights_from_safetensors(self, blob):
+            gate_worker(self.model_runner)
+            return super().load_weights_from_safetensors(blob)
+
+    return SpanGateWorkerWrap
+
+
+_EXTENSION = None
+
+
+def __getattr__(name: str):
+    # built on first use, in the engine's worker: importing vLLM here would load it into every Ray worker
+    global _EXTENSION
+    if name == "SpanGateWorkerWrap":
+        if _EXTENSION is None:
+            _EXTENSION = _worker_extension_class()
+        return _EXTENSION
+    raise AttributeError(name)
+
+
+def main(argv) -> None:
+    """``python -m tests.helpers.span_gate openrlhf_ess.cli.train_ppo_ray ARGS`` with ``OPENRLHF_ESS_TEST_SPAN_GATE``
+    set: our CLI with the gate in the training actor, the actor's rank 0 and the engine's worker."""
+    if not argv or argv[0] != CLI_MODULE or not path():
+        raise SystemExit(f"usage: {ENV}=<file> python -m tests.helpers.span_gate {CLI_MODULE} ARGS")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+
+    from openrlhf_ess.cli import train_ppo_ray as cli
+    from openrlhf_ess.trainer.ray import vllm_engine
+
+    runtime_env = cli._runtime_env
+
+    def test_runtime_env():
+        env = runtime_env()
+        env["env_vars"][ENV] = path()
+        env["worker_process_setup_hook"] = "tests.helpers.span_gate.setup_ray_worker"
+        return env
+
+    replaced = ((cli, "_runtime_env", test_runtime_env), (vllm_engine, "WORKER_EXTENSION", WORKER_EXTENSION))
+    for module, name, value in replaced:
+        if not hasattr(module, name):
+            raise AttributeError(f"{module.__name__}.{name} is gone: update tests/helpers/span_gate.py")
+        setattr(module, name, value)
+    print(f"[span_gate] TEST-ONLY: weight syncs land inside a rollout batch, {ENV}={path()}", flush=True)
+    cli.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
