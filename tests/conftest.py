@@ -141,12 +141,19 @@ def pytest_collection_modifyitems(config, items):
         )
     grouping = getattr(config.option, "loadgroup", False)  # an xdist worker under --dist loadgroup
     for item in items:
+        group = None
         if in_real_stack_group(item):
-            item.add_marker(pytest.mark.xdist_group(REAL_STACK_GROUP))
+            group = REAL_STACK_GROUP
+        elif "shared" in getattr(item, "fixturenames", ()):
+            # tests/gpu: a module's entries hand results to the next through the module-scoped `shared` fixture, so
+            # they must run in one worker (split, test_placement_distinct found nothing from test_placement)
+            group = "module-" + item.path.stem
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
             if grouping:
                 # xdist's scheduler reads the group from the suffix "@<group>" of the test's id, which xdist 3.8 sets
                 # as `item._nodeid`; pytest 9.2 derives the id from `item._id`, so that has no effect (both workers
                 # got real-stack tests, seen in a run): set here the way pytest 9.2 keeps it.
                 from _pytest.nodeid import NodeId
 
-                item._id = NodeId.parse(f"{item.nodeid}@{REAL_STACK_GROUP}")
+                item._id = NodeId.parse(f"{item.nodeid}@{group}")
