@@ -289,12 +289,6 @@ def reward_actor_class() -> type:
     return ray_actor_class(RewardModelActor)
 
 
-def unwrap_model(strategy: Any, model: Any) -> Any:
-    """The Hugging Face model inside upstream's wrapping (``DeepspeedStrategy._unwrap_model``): the one whose
-    ``save_pretrained`` upstream's ``save_model`` calls on rank 0 (``trainer/saving.py`` injects faults there)."""
-    return strategy._unwrap_model(model)
-
-
 def save_model_barrier() -> None:
     """The barrier every rank reaches at the end of upstream's ``DeepspeedStrategy.save_model``, after rank 0 wrote
     (``trainer/saving.py``: rank 0 joins it itself when its write raised)."""

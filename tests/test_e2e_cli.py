@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from tests.helpers import fault_injection
 from tests.helpers.e2e import CPU_ENGINE_LAYOUT, LAST_RUN, read_tensorboard, run_cli, tiny_args
 from tests.helpers.wandb_offline import history
 
@@ -237,10 +238,12 @@ def test_ray_job_submit(tiny_world, tmp_path):
 @pytest.mark.slow
 def test_corrupt_weight_sync_stops_the_run(tiny_world, tmp_path):
     """A sync that leaves the engine on wrong weights (injected: noise loaded instead of the weights) is
-    caught at the first sync: the run fails fast with a message naming the tensors and the flag."""
+    caught at the first sync: the run fails fast with a message naming the tensors and the flag. Injected by the
+    test launcher (tests/helpers/fault_injection.py)."""
     run_dir = str(tmp_path)
-    env = {"OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD": "1"}
-    rc, log = run_cli(tiny_args(tiny_world, run_dir), run_dir, env=env, timeout=600)
+    env = {fault_injection.CORRUPT_ENV: "1"}
+    args = tiny_args(tiny_world, run_dir)
+    rc, log = run_cli(args, run_dir, env=env, timeout=600, launcher=fault_injection.LAUNCHER)
     assert rc != 0
     assert "weight sync check failed after version 1" in log and "--vllm.sync_check_tol" in log
     assert "qkv_proj.weight" in log  # which tensors differ
@@ -250,12 +253,14 @@ def test_corrupt_weight_sync_stops_the_run(tiny_world, tmp_path):
 @pytest.mark.stack
 def test_weight_sync_difference_below_canary_tolerance_is_named(tiny_world, tmp_path):
     """One element of one tensor off by 1e-3 after the sync (injected): far below what the canary's
-    log-prob tolerance can see, but the per-tensor checksums catch it and name the tensor."""
+    log-prob tolerance can see, but the per-tensor checksums catch it and name the tensor. Injected by the test
+    launcher (tests/helpers/fault_injection.py)."""
     run_dir = str(tmp_path)
     name = "model.layers.1.mlp.down_proj.weight"
-    env = {"OPENRLHF_ESS_FAULT_PERTURB_WEIGHT_LOAD": name}
+    env = {fault_injection.PERTURB_ENV: name}
     flags = ["--ds.param_dtype", "fp32", "--vllm.dtype", "float32"]
-    rc, log = run_cli(tiny_args(tiny_world, run_dir) + flags, run_dir, env=env, timeout=600)
+    args = tiny_args(tiny_world, run_dir) + flags
+    rc, log = run_cli(args, run_dir, env=env, timeout=600, launcher=fault_injection.LAUNCHER)
     assert rc != 0, log[-3000:]
     assert "weight sync check failed after version 1" in log
     assert "1 of " in log and name in log, log[-3000:]

@@ -1,9 +1,10 @@
 """The user's outputs on the real stack (docs/faults.md §8), in one sequence of runs:
 
 1. a sync run (2 steps, a checkpoint after each) whose final save fails (a write failure injected into rank 0's
-   save_pretrained with OPENRLHF_ESS_FAULT_FINAL_SAVE=EACCES, as an output folder that became unwritable makes it
-   fail): exit 1, our last line names --ckpt.output_dir, the cause and the fallback folder, which holds the trained
-   model (it loads); nothing partial in the output folder;
+   save_pretrained with OPENRLHF_ESS_TEST_FAULT_FINAL_SAVE=EACCES under the test launcher
+   tests/helpers/fault_injection.py, as an output folder that became unwritable makes it fail): exit 1, our last
+   line names --ckpt.output_dir, the cause and the fallback folder, which holds the trained model (it loads);
+   nothing partial in the output folder;
 2. while it runs, the same command again: refused at once (exit 2), naming the first run's PID and command;
 3. the newest checkpoint cut short, then the same command with --ckpt.load_enable: the broken step is moved aside,
    the one before loaded (a line says so), the run trains the last step again and saves the model in place.
@@ -26,6 +27,7 @@ import pytest
 
 from openrlhf_ess.runtime import run_lock
 from openrlhf_ess.trainer import saving
+from tests.helpers import fault_injection
 from tests.helpers.e2e import GPU_ENGINE_LAYOUT, tiny_args
 from tests.helpers.faults import run_cli_tracked
 
@@ -42,7 +44,13 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
         first = {}
         thread = threading.Thread(
             target=lambda: first.update(
-                run=run_cli_tracked(args, run_dir, timeout=900, env={saving.FAULT_ENV: "EACCES", **GPU_ENGINE_LAYOUT})
+                run=run_cli_tracked(
+                    args,
+                    run_dir,
+                    timeout=900,
+                    env={fault_injection.FINAL_SAVE_ENV: "EACCES", **GPU_ENGINE_LAYOUT},
+                    launcher=fault_injection.LAUNCHER,
+                )
             )
         )
         thread.start()
@@ -75,7 +83,7 @@ def test_a_failed_final_save_a_second_run_and_a_broken_checkpoint(tiny_world, tm
         assert (
             last.startswith(
                 f"openrlhf-ess: error: the trained model could not be written to --ckpt.output_dir {output_dir} "
-                "(Permission denied (injected by OPENRLHF_ESS_FAULT_FINAL_SAVE)"
+                f"(Permission denied (injected by {fault_injection.FINAL_SAVE_ENV})"
             )
             and match
         ), last
@@ -125,11 +133,12 @@ def test_a_failed_final_save_under_zero3_with_two_ranks_does_not_hang(tiny_world
         args[args.index(flag) + 1] = value
     fallback = None
     try:
-        run = run_cli_tracked(args, run_dir, timeout=600, env={saving.FAULT_ENV: "ENOSPC", **GPU_ENGINE_LAYOUT})
+        env = {fault_injection.FINAL_SAVE_ENV: "ENOSPC", **GPU_ENGINE_LAYOUT}
+        run = run_cli_tracked(args, run_dir, timeout=600, env=env, launcher=fault_injection.LAUNCHER)
         assert run.rc == 1 and not run.timed_out and not run.leftovers, run.log[-5000:]
         assert not run.shm_left, run.shm_left
         match = re.search(r"it was written to (\S+) instead", run.log)
-        assert match and "(No space left on device (injected by OPENRLHF_ESS_FAULT_FINAL_SAVE)" in run.log
+        assert match and f"(No space left on device (injected by {fault_injection.FINAL_SAVE_ENV})" in run.log
         fallback = match.group(1)
         from transformers import AutoModelForCausalLM
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from openrlhf_ess.trainer import resume
+from tests.helpers import fault_injection
 
 # The first 16 of tiny_world's 32 prompts (--data.max_samples: upstream selects the file's first lines), tiny_args'
 # batches of 8: two steps an episode, so a resume after step 1 finishes the first episode and trains the second.
@@ -140,19 +141,19 @@ def _parsed(*extra):
 
 
 def test_the_hold_parks_only_at_its_point_until_a_signal(monkeypatch):
-    """The test-only hold (resume.HOLD_ENV) that pins the kill points of the kill-and-resume test: unset, another
-    point or another step, no wait at all; its point, a wait that a signal's handler ends (Ray's worker handler
-    raises SystemExit, as the handler here raises), and that is never silent: held past its limit, an error naming
-    the variable; a value of another form, an error naming it."""
+    """The test launcher's hold (tests/helpers/fault_injection.py, HOLD_ENV) that pins the kill points of the
+    kill-and-resume test: unset, another point or another step, no wait at all; its point, a wait that a signal's
+    handler ends (Ray's worker handler raises SystemExit, as the handler here raises), and that is never silent: held
+    past its limit, an error naming the variable; a value of another form, an error naming it."""
 
     def never(seconds):
         raise AssertionError("held where it must not wait")
 
-    monkeypatch.delenv(resume.HOLD_ENV, raising=False)
-    resume.hold_at("sidecar", 3, sleep=never)
-    monkeypatch.setenv(resume.HOLD_ENV, "sidecar:3")
-    resume.hold_at("sidecar", 2, sleep=never)
-    resume.hold_at("audit", 3, sleep=never)
+    monkeypatch.delenv(fault_injection.HOLD_ENV, raising=False)
+    fault_injection.hold_at("sidecar", 3, sleep=never)
+    monkeypatch.setenv(fault_injection.HOLD_ENV, "sidecar:3")
+    fault_injection.hold_at("sidecar", 2, sleep=never)
+    fault_injection.hold_at("audit", 3, sleep=never)
 
     class Signalled(Exception):
         pass
@@ -165,18 +166,49 @@ def test_the_hold_parks_only_at_its_point_until_a_signal(monkeypatch):
         t0 = time.monotonic()
         signal.setitimer(signal.ITIMER_REAL, 0.3)
         with pytest.raises(Signalled):
-            resume.hold_at("sidecar", 3, limit_s=60)
+            fault_injection.hold_at("sidecar", 3, limit_s=60)
         assert 0.25 < time.monotonic() - t0 < 5
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     for wrong in ("sidecar", "save:3", "sidecar:three"):  # never a hold that silently does not come
-        monkeypatch.setenv(resume.HOLD_ENV, wrong)
-        with pytest.raises(ValueError, match=f"{resume.HOLD_ENV}='{wrong}': expected <point>:<n>, point one of"):
-            resume.hold_at("sidecar", 3, sleep=never)
-    monkeypatch.setenv(resume.HOLD_ENV, "audit:1")
-    with pytest.raises(RuntimeError, match=f"{resume.HOLD_ENV}=audit:1: the run was held 0 s and not stopped"):
-        resume.hold_at("audit", 1, limit_s=0.2)
+        monkeypatch.setenv(fault_injection.HOLD_ENV, wrong)
+        expected = f"{fault_injection.HOLD_ENV}='{wrong}': expected <point>:<n>, point one of"
+        with pytest.raises(ValueError, match=expected):
+            fault_injection.hold_at("sidecar", 3, sleep=never)
+    monkeypatch.setenv(fault_injection.HOLD_ENV, "audit:1")
+    expected = f"{fault_injection.HOLD_ENV}=audit:1: the run was held 0 s and not stopped"
+    with pytest.raises(RuntimeError, match=expected):
+        fault_injection.hold_at("audit", 1, limit_s=0.2)
+
+
+def test_the_hold_wraps_the_product_functions_at_its_points(tmp_path, monkeypatch):
+    """Where the launcher puts the hold: before ``resume.write_sidecar`` of the step (the sidecar not yet written)
+    and after ``experience_maker.write_audit_batch`` of the version (the batch written); the wrapped functions
+    still do their work."""
+    calls = []
+    monkeypatch.setattr(fault_injection, "hold_at", lambda point, n: calls.append(("hold", point, n)))
+    sidecar = fault_injection.holding_before_sidecar(lambda ckpt, step, state: calls.append(("sidecar", step)))
+    audit = fault_injection.holding_after_audit(lambda folder, version, exps: calls.append(("audit", version)))
+    sidecar(str(tmp_path), 2, {})
+    audit(str(tmp_path), 3, [])
+    assert calls == [("hold", "sidecar", 2), ("sidecar", 2), ("audit", 3), ("hold", "audit", 3)]
+
+
+def test_the_launcher_hook_wraps_the_product_functions_only_with_a_fault_set():
+    """In a fresh process, as in a Ray worker: the launcher's set-up hook wraps ``resume.write_sidecar`` and
+    ``saving.save_final_model`` when they are imported after it, and only when their variable is set."""
+    code = (
+        "from tests.helpers import fault_injection as fi; fi.install(); "
+        "from openrlhf_ess.trainer import resume, saving; "
+        "print(*(hasattr(f, '_fault_injection') for f in (resume.write_sidecar, saving.save_final_model)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in fault_injection.ENVS}
+    run = dict(env=env, cwd=fault_injection.REPO, capture_output=True, text=True, check=True)
+    clean = subprocess.run([sys.executable, "-c", code], **run)
+    env.update({fault_injection.HOLD_ENV: "sidecar:3", fault_injection.FINAL_SAVE_ENV: "EACCES"})
+    faults = subprocess.run([sys.executable, "-c", code], **run)
+    assert (clean.stdout.split(), faults.stdout.split()) == (["False", "False"], ["True", "True"])
 
 
 def test_untrained_prompts_are_the_buffer_then_the_replay_not_yet_drawn():
@@ -246,16 +278,18 @@ def _kill_point(kill_at, ckpt: str, audit: str):
     if point == "mid_step":
         if not os.path.exists(os.path.join(audit, f"batch_v{step}.pt")):
             return None
-        assert not os.path.exists(os.path.join(audit, f"batch_v{step + 1}.pt")), f"the run went past {resume.HOLD_ENV}"
+        past = f"the run went past {fault_injection.HOLD_ENV}"
+        assert not os.path.exists(os.path.join(audit, f"batch_v{step + 1}.pt")), past
         return "mid-step"
     if os.path.isdir(folder):
-        assert not complete, f"the run went past {resume.HOLD_ENV} before {folder}'s sidecar"
+        assert not complete, f"the run went past {fault_injection.HOLD_ENV} before {folder}'s sidecar"
         return "mid-save"
     return None
 
 
-# Where the signalled runs are held (resume.hold_at) until the signal: mid-save, between DeepSpeed's files and our
-# sidecar; mid-step, right after the batch is written to the audit trail, before its update.
+# Where the signalled runs are held until the signal (the test launcher's hold, tests/helpers/fault_injection.py):
+# mid-save, between DeepSpeed's files and our sidecar; mid-step, right after the batch is written to the audit
+# trail, before its update.
 HOLD_POINT = {"mid_save": "sidecar", "mid_step": "audit"}
 
 
@@ -371,11 +405,27 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
         )
         env = {**GPU_ENGINE_LAYOUT, **runs_env}
         # The first run waits at the kill point for the signal (its resume does not): a late look still finds it
-        env[resume.HOLD_ENV] = f"{HOLD_POINT[kill_at[0]]}:{kill_at[1]}"
-        first = run_cli_tracked(args, run_dir, timeout=900, env=env, during=at_the_point, new_session=group)
+        env[fault_injection.HOLD_ENV] = f"{HOLD_POINT[kill_at[0]]}:{kill_at[1]}"
+        first = run_cli_tracked(
+            args,
+            run_dir,
+            timeout=900,
+            env=env,
+            during=at_the_point,
+            new_session=group,
+            launcher=fault_injection.LAUNCHER,
+        )
         shutil.copy(os.path.join(run_dir, "log.txt"), os.path.join(run_dir, "first.txt"))  # the resume writes log.txt
         (where,) = at_the_point.points
         assert_stopped_by_signal(first, signal.SIGTERM, group)
+        # stopped at its hold, not past it: mid-step, the next step's update never ran (no later checkpoint);
+        # mid-save, the step's sidecar was never written
+        point, step = kill_at
+        if point == "mid_step":
+            assert _saved_step(ckpt) == step, f"the run went past {fault_injection.HOLD_ENV}: {_saved_step(ckpt)}"
+        if point == "mid_save":
+            sidecar = os.path.join(ckpt, "_actor", f"global_step{step}", resume.SIDECAR)
+            assert not os.path.exists(sidecar), f"the run went past {fault_injection.HOLD_ENV}: {sidecar}"
 
     newest = _saved_step(ckpt)
     assert 1 <= newest < STEPS, newest  # it really stopped early

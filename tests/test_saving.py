@@ -102,9 +102,12 @@ def test_the_final_model_goes_into_place_through_a_temporary_folder(tmp_path):
 
 def test_a_write_failure_at_the_final_save_sends_the_model_to_the_fallback(tmp_path, monkeypatch):
     """The failure injected where a folder that became unwritable makes upstream's save fail: inside rank 0's
-    save_pretrained, after the gather. Rank 0 joins the barrier the other ranks wait in, the model is written to
-    the fallback, and the error names the target, the cause and the fallback; the target holds no partial model."""
-    monkeypatch.setenv(saving.FAULT_ENV, "EACCES")
+    save_pretrained, after the gather (the test launcher's fault, tests/helpers/fault_injection.py, here on a
+    stand-in model class). Rank 0 joins the barrier the other ranks wait in, the model is written to the fallback,
+    and the error names the target, the cause and the fallback; the target holds no partial model."""
+    from tests.helpers import fault_injection
+
+    monkeypatch.setenv(fault_injection.FINAL_SAVE_ENV, "EACCES")
     target, fallback = tmp_path / "out", tmp_path / "fallback"
     os.makedirs(target)
 
@@ -112,20 +115,29 @@ def test_a_write_failure_at_the_final_save_sends_the_model_to_the_fallback(tmp_p
         def save_pretrained(self, folder):
             _fake_save(folder)
 
-    model = Model()
+    model, original = Model(), Model.save_pretrained
 
     def save(folder):  # upstream's save_model: rank 0 calls the model's save_pretrained
         model.save_pretrained(folder)
 
-    kwargs, calls = _one_rank(fallbacks=[str(fallback)], fault=lambda: saving.injected_fault(model))
+    save_final_model = fault_injection.failing_final_save(saving.save_final_model, model_class=Model)
+    kwargs, calls = _one_rank(fallbacks=[str(fallback)])
     with pytest.raises(saving.OutputWriteError) as info:
-        saving.save_final_model(save, str(target), **kwargs)
+        save_final_model(save, str(target), **kwargs)
     message = str(info.value)
-    assert f"could not be written to --ckpt.output_dir {target} (Permission denied" in message, message
+    assert (
+        f"could not be written to --ckpt.output_dir {target} (Permission denied (injected by "
+        f"{fault_injection.FINAL_SAVE_ENV})" in message
+    ), message
     assert f"it was written to {fallback} instead" in message
     assert sorted(os.listdir(fallback)) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert os.listdir(target) == [] and calls["barrier"] == 1
-    assert "save_pretrained" not in vars(model)
+    assert Model.save_pretrained is original  # the fault lasted one write
+
+    # unset: the product's own save, into place
+    monkeypatch.delenv(fault_injection.FINAL_SAVE_ENV)
+    assert save_final_model(save, str(target), **kwargs) == str(target)
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors", "tokenizer.json"]
 
 
 @pytest.fixture

@@ -49,9 +49,6 @@ _FORWARDED_ENV = {
     "DS_ACCELERATOR": None,
     "TRITON_CACHE_DIR": None,  # set by caches.py when HOME is not writable, or by the user
     "VLLM_CACHE_ROOT": None,
-    "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD": None,  # tests only: see trainer/ray/vllm_worker_wrap.py
-    "OPENRLHF_ESS_FAULT_FINAL_SAVE": None,  # tests only: see trainer/saving.py
-    "OPENRLHF_ESS_FAULT_HOLD_AT": None,  # tests only: see trainer/resume.py
     cpu_compat.DEVICE_ENV: None,  # the run's accelerator, decided once on the driver (resolve_accelerator)
     eval_clock.LAUNCH_TIME_ENV: None,  # the CLI's start, set by _main: evals log the wall-clock since it
 }

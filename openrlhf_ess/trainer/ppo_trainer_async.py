@@ -67,7 +67,6 @@ class TrainingActorImpl(OffPolicyControllerMixin, _UpstreamTraining, ScoreAtSync
                 "prompts_trained": states.get("total_consumed_prompts", 0) - len(self._untrained_prompts),
                 "weight_version": self.weight_version,
             }
-            resume.hold_at("sidecar", global_step)  # tests only: unset, returns at once
             try:
                 resume.write_sidecar(self.args.ckpt.path, global_step, state)
             except OSError as e:  # a full disk: say so and what is kept, not a bare "[Errno 28]"

@@ -50,32 +50,6 @@ def tag_of(global_step: int) -> str:
     return f"global_step{global_step}"  # upstream's BasePPOTrainer.save_logs_and_checkpoints
 
 
-# Tests only: park the run at a point of its progress until it is stopped, so that a kill-and-resume test's kill
-# lands there on any machine speed (tests/test_resume.py: a look that came ~1 s late once found the run already past
-# its last step's save). "<point>:<n>": "sidecar:<step>", between every rank's DeepSpeed save of that
-# step and our sidecar; "audit:<version>", right after the trainer wrote that batch to --algo.prox_audit_dir, before
-# its update.
-HOLD_ENV = "OPENRLHF_ESS_FAULT_HOLD_AT"
-HOLD_POINTS = ("sidecar", "audit")
-
-
-def hold_at(point: str, n: int, limit_s: float = 600.0, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Tests only (``OPENRLHF_ESS_FAULT_HOLD_AT=<point>:<n>``, :data:`HOLD_POINTS`): at that point, wait until the
-    process is stopped (a signal ends the wait: Ray's worker handler raises SystemExit inside ``sleep``). Not stopped
-    within ``limit_s``: an error naming the variable, never a silent hang. Another point or ``n``, or the variable
-    unset: returns at once; a value of another form: an error, not a hold that silently never comes."""
-    held = os.environ.get(HOLD_ENV, "")
-    if held and not re.fullmatch(rf"(?:{'|'.join(HOLD_POINTS)}):\d+", held):
-        raise ValueError(f"{HOLD_ENV}={held!r}: expected <point>:<n>, point one of {', '.join(HOLD_POINTS)}")
-    if held != f"{point}:{n}":
-        return
-    print(f"[openrlhf-ess] {HOLD_ENV}={held}: holding the run here until it is stopped", flush=True)
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        sleep(0.05)
-    raise RuntimeError(f"{HOLD_ENV}={held}: the run was held {limit_s:.0f} s and not stopped; unset it (tests only)")
-
-
 def write_sidecar(ckpt_path: str, global_step: int, state: dict) -> Optional[str]:
     """Write ``state`` next to DeepSpeed's files of step ``global_step`` (temp file, fsync, rename).
 

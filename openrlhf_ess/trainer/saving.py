@@ -30,18 +30,15 @@ exception's chain (``__cause__`` / ``__context__``) gives its errno; an errno th
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import re
 import shutil
 import tempfile
 import time
-from typing import Callable, ContextManager, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 STAGING = ".openrlhf_ess_saving"  # inside --ckpt.output_dir; renamed into it file by file
-# Tests only: a write failure injected into rank 0's save_pretrained of the final model (errno name, e.g. EACCES).
-FAULT_ENV = "OPENRLHF_ESS_FAULT_FINAL_SAVE"
 # Files of a model save that a new save replaces: the weights (single or sharded) and their index.
 _WEIGHTS = re.compile(
     r"^(?:model|pytorch_model|adapter_model)(?:-\d+-of-\d+)?\.(?:safetensors|bin)(?:\.index\.json)?$"
@@ -252,15 +249,13 @@ def save_final_model(
     rank0: bool,
     agree: Callable[[bool], bool],
     barrier: Callable[[], None],
-    fault: Callable[[], ContextManager] = contextlib.nullcontext,
     fallbacks: Optional[List[str]] = None,
 ) -> str:
     """Upstream's final save (``save(folder)``: collective, rank 0 writes), into ``target`` or a fallback.
 
     ``agree(ok)``: True when ``ok`` on every rank (an all-reduce); ``barrier()``: the one upstream's save ends with,
-    which rank 0 joins itself when its write raised; ``fault``: a context around rank 0's first write (tests).
-    Returns ``target``; raises :class:`OutputWriteError` on rank 0 when the model went elsewhere or nowhere (the
-    other ranks return the folder it went to)."""
+    which rank 0 joins itself when its write raised. Returns ``target``; raises :class:`OutputWriteError` on rank 0
+    when the model went elsewhere or nowhere (the other ranks return the folder it went to)."""
     staging = os.path.join(target, STAGING)
     tried: List[Tuple[str, str]] = []  # (folder, why it failed)
     for place in [staging] + (fallbacks if fallbacks is not None else fallback_dirs(target)):
@@ -271,8 +266,7 @@ def save_final_model(
                 shutil.rmtree(place, ignore_errors=True)  # made by the probe: ours, and empty
             continue
         try:
-            with fault() if place == staging and rank0 else contextlib.nullcontext():
-                save(place)
+            save(place)
         except Exception as e:  # OSError, torch's RuntimeError, safetensors' SafetensorError
             found = write_failure(e, place) if rank0 else None
             if found is None:
@@ -311,26 +305,6 @@ def save_final_model(
         + "; ".join(f"{folder}: {why}" for folder, why in tried)
         + ". It is lost; the checkpoints, if any, are under --ckpt.path (resume with --ckpt.load_enable)."
     )
-
-
-@contextlib.contextmanager
-def injected_fault(model):
-    """Tests only (``OPENRLHF_ESS_FAULT_FINAL_SAVE=EACCES``, ``ENOSPC``, ...): ``model.save_pretrained`` raises that
-    error, as a folder that became unwritable makes it raise inside rank 0's write (after the ZeRO-3 gather)."""
-    name = os.environ.get(FAULT_ENV)
-    if not name:
-        yield
-        return
-    code = getattr(errno, name)
-
-    def failing(folder, *args, **kwargs):
-        raise OSError(code, f"{os.strerror(code)} (injected by {FAULT_ENV})", os.path.join(folder, "config.json"))
-
-    model.save_pretrained = failing  # this instance only, for this one call
-    try:
-        yield
-    finally:
-        del model.save_pretrained
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------------------

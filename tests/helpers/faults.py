@@ -112,7 +112,14 @@ class TrackedRun:
 
 
 def run_cli_tracked(
-    args: list, run_dir: str, timeout: int = 600, env=None, settle: float = 20.0, during=None, new_session=False
+    args: list,
+    run_dir: str,
+    timeout: int = 600,
+    env=None,
+    settle: float = 20.0,
+    during=None,
+    new_session=False,
+    launcher=None,
 ) -> TrackedRun:
     """Run ``python -m openrlhf_ess.cli.train_ppo_ray ARGS`` with a time limit and leave no process behind.
 
@@ -122,8 +129,10 @@ def run_cli_tracked(
     its progress); the run's end is awaited after it returns. An exception inside it ends the whole run.
     ``new_session``: the CLI leads a process group of its own, as a batch scheduler's job step does, so that
     ``during`` can signal the whole group (``os.killpg(proc.pid, sig)``: Slurm's scancel, Kubernetes).
+    ``launcher``: what runs the CLI module instead of ``python -m`` (a test launcher such as
+    ``tests.helpers.fault_injection.LAUNCHER``).
     """
-    cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray"] + args
+    cmd = (launcher or [sys.executable, "-m"]) + ["openrlhf_ess.cli.train_ppo_ray"] + args
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": run_dir, **(env or {})}
     log_path = os.path.join(run_dir, "log.txt")
     t0 = time.time()

@@ -16,7 +16,7 @@ from openrlhf.utils.utils import zero_pad_sequences
 
 from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES, opob_on, routing_replay_on, sampling_mask_on
 from openrlhf_ess.models import corrections
-from openrlhf_ess.trainer import opob, resume, reward_check, routing_replay
+from openrlhf_ess.trainer import opob, reward_check, routing_replay
 from openrlhf_ess.trainer.ppo_utils.samples_generator import kept_or_untruncated, versions_or_untagged
 from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
 
@@ -185,7 +185,6 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
             )
         if algo.prox_audit_dir:
             write_audit_batch(algo.prox_audit_dir, self.weight_version, experiences)
-            resume.hold_at("audit", self.weight_version)  # tests only: unset, returns at once
         self.last_metrics = rollout_metrics(torch.cat(lags), stale, prox, mu, masks)
         self.last_metrics["actor_logprob_nonfinite"] = float(actor_nonfinite)
         if algo.prox_mode != "recompute":

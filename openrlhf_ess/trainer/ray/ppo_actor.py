@@ -274,7 +274,6 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
             rank0=strategy.is_rank_0(),
             agree=lambda ok: strategy.all_reduce(0.0 if ok else 1.0, "max") == 0.0,
             barrier=upstream.save_model_barrier,
-            fault=lambda: saving.injected_fault(upstream.unwrap_model(strategy, model)),
         )
 
     def score_streams(self, version: int, streams, kept=None, routes=None) -> list:

@@ -11,19 +11,11 @@ correctly on every backend.
 """
 
 import json
-import os
 import threading
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap as _UpstreamWorkerWrap
-
-# Fault injection for tests: load noise instead of the received weights, like the measured failure of a
-# transport that returns without data (the engine then runs on uninitialised memory).
-FAULT_ENV = "OPENRLHF_ESS_FAULT_CORRUPT_WEIGHT_LOAD"
-# Fault injection for tests: add 1e-3 to one element of the named tensor, far below what the canary sees.
-PERTURB_ENV = "OPENRLHF_ESS_FAULT_PERTURB_WEIGHT_LOAD"
-
 
 RELOAD_MESSAGE_BYTES = 1 << 30
 """The most bytes one message of a ``reload`` weight sync may hold, header included (1 GiB).
@@ -305,12 +297,6 @@ class WorkerWrap(_UpstreamWorkerWrap):
         names) into the model through vLLM's ``reload_weights``; return the count."""
         self.stage_weights_from_safetensors(blob)
         tensors, self._staged_weights = self._staged_weights.complete(), None
-        if os.environ.get(FAULT_ENV) == "1":
-            tensors = {name: torch.randn_like(t) for name, t in tensors.items()}
-        if os.environ.get(PERTURB_ENV) in tensors:
-            t = tensors[os.environ[PERTURB_ENV]].clone()
-            t.view(-1)[0] += 1e-3
-            tensors[os.environ[PERTURB_ENV]] = t
         from openrlhf_ess.trainer.sync_check import trainer_checksums
 
         # What was handed to vLLM's loader, by the engine's (fused) names: the fallback for the checksum of a
