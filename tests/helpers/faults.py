@@ -67,10 +67,15 @@ class _Tree:
             return
         for p in procs:
             try:
-                if p.pid not in self.seen:
-                    self.seen[p.pid] = (p.create_time(), " ".join(p.cmdline())[:200])
+                created, cmd = p.create_time(), " ".join(p.cmdline())[:200]
             except psutil.Error:
-                pass
+                created = cmd = None
+            first = self.seen.get(p.pid)
+            # first sight; or the same process (same start time) read again: a child seen between its fork and its
+            # exec showed its parent's command line (under load a GCS server was recorded as "python ...
+            # train_ppo_ray" for good, and a test waiting for "gcs_server" saw the run end first)
+            if created is not None and (first is None or (first[0] == created and cmd)):
+                self.seen[p.pid] = (created, cmd)
             if shm:
                 used = mapped_shm(p.pid)
                 self.shm.update(dict.fromkeys(used, time.time()))
