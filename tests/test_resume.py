@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from openrlhf_ess.trainer import resume
-from tests.helpers import fault_injection
+from tests.helpers import fault_injection, span_gate
 
 # The first 16 of tiny_world's 32 prompts (--data.max_samples: upstream selects the file's first lines), tiny_args'
 # batches of 8: two steps an episode, so a resume after step 1 finishes the first episode and trains the second.
@@ -448,8 +448,16 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
         assert left, f"SIGKILL left none of {recorded} in /dev/shm: the sweep is not tested"
     count = len(os.listdir("/dev/shm"))
 
-    # same command; ended on any exit
-    second = run_cli_tracked(args, run_dir, timeout=900, env={**GPU_ENGINE_LAYOUT, **runs_env})
+    # same command; ended on any exit. The interrupt case's resumed run checks responses spanning a sync: its engine
+    # holds a batch in flight at the span gate until the sync (tests/helpers/span_gate.py), not by chance
+    gate = os.path.join(run_dir, "span_gate") if mode == "interrupt" else ""
+    second = run_cli_tracked(
+        args,
+        run_dir,
+        timeout=900,
+        env={**GPU_ENGINE_LAYOUT, **runs_env, **({span_gate.ENV: gate} if gate else {})},
+        launcher=span_gate.LAUNCHER if gate else None,
+    )
     second_log, rc = second.log, second.rc
     assert rc == 0 and not second.timed_out, second_log[-5000:]
     assert not second.leftovers, second.leftovers
@@ -496,6 +504,7 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
         print(f"[exactness] interrupt, resumed: {checked} tokens, {stale} stale, {mixed} spanning a sync, ", end="")
         print(f"worst {worst:.1e}, recompute off by {gap:.2e}")
         assert checked > 200 and stale > 0, (checked, stale)
+        assert span_gate.held(gate), "the span gate never held a step: no sync was made to land inside a batch"
         assert mixed > 0, "no response spanned a weight sync: the partial-rollout case went untested"
         assert gap > 1e-3, "recompute would have been indistinguishable: the test could not fail"
     print(

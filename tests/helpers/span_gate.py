@@ -26,13 +26,12 @@ calls :func:`install_trainer`) and name a worker extension that calls :func:`gat
   (``init_process_group``), so every sync with a next batch lands inside it;
 - this module, ``python -m tests.helpers.span_gate openrlhf_ess.cli.train_ppo_ray ARGS`` (our reload sync): the
   worker is first reached at the first sync's weight load, so the gate holds from the second sync on (a run of
-  three steps: the second sync lands inside the third batch; the first may or may not).
+  three steps: the second sync lands inside the third batch; the first may or may not). Used by
+  ``tests/test_prox_modes.py``'s exact pipeline runs and the resumed run of ``tests/test_resume.py``'s interrupt case.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import os
 import sys
 import time
@@ -122,28 +121,6 @@ def patch_pause(module) -> None:
     module.batch_vllm_engine_call = releasing_call
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``fn(module)`` right after ``name`` is first imported (the set-up hook runs before the trainer's module
-    is imported, and importing it there would load DeepSpeed and OpenRLHF into every Ray worker)."""
-
-    def __init__(self, name: str, fn):
-        self.name, self.fn = name, fn
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        exec_module, fn = spec.loader.exec_module, self.fn
-
-        def exec_then_patch(module):
-            exec_module(module)
-            fn(module)
-
-        spec.loader.exec_module = exec_then_patch
-        return spec
-
-
 PATCHES = {
     TRAINER_MODULE: patch_pause,
     WEIGHT_SYNC_MODULE: lambda module: patch_weight_sync_class(module.WeightSync),
@@ -151,15 +128,21 @@ PATCHES = {
 
 
 def install_trainer() -> None:
-    """In a Ray worker (set-up hook): patch the training actor's and the weight sync's classes where they are (or
-    will be) defined."""
+    """In a Ray worker (set-up hook): patch the training actor's module and the weight sync's class once they are
+    imported (importing them here would load DeepSpeed and OpenRLHF into every Ray worker)."""
     if not path():
         return
+    from openrlhf_ess.runtime import cpu_compat
+
     for name, patch in PATCHES.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
-        elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
-            sys.meta_path.insert(0, _AfterImport(name, patch))
+        cpu_compat.after_import(name, lambda name=name, patch=patch: _patch_once(name, patch))
+
+
+def _patch_once(name: str, patch) -> None:
+    module = sys.modules[name]
+    if not getattr(module, "_span_gate_patched", False):
+        patch(module)
+        module._span_gate_patched = True
 
 
 def gate_worker(model_runner) -> None:
