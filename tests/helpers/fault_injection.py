@@ -44,6 +44,8 @@ import sys
 import time
 from typing import Callable, Dict
 
+from tests.helpers import launch
+
 CORRUPT_ENV = "OPENRLHF_ESS_TEST_FAULT_CORRUPT_WEIGHT_LOAD"
 PERTURB_ENV = "OPENRLHF_ESS_TEST_FAULT_PERTURB_WEIGHT_LOAD"
 FINAL_SAVE_ENV = "OPENRLHF_ESS_TEST_FAULT_FINAL_SAVE"
@@ -53,14 +55,16 @@ HOLD_POINTS = ("sidecar", "audit")
 HOLD_LIMIT_S = 600.0
 PERTURBATION = 1e-3
 
-LAUNCHER = [sys.executable, "-m", "tests.helpers.fault_injection"]
-WORKER_EXTENSION = "tests.helpers.fault_injection.FaultInjectionWorkerWrap"
-CLI_MODULE = "openrlhf_ess.cli.train_ppo_ray"
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODULE = "tests.helpers.fault_injection"
+LAUNCHER = launch.launcher(MODULE)
+WORKER_EXTENSION = f"{MODULE}.FaultInjectionWorkerWrap"
+CLI_MODULE = launch.CLI_MODULE
+REPO = launch.REPO
 
 SAVING_MODULE = "openrlhf_ess.trainer.saving"
 RESUME_MODULE = "openrlhf_ess.trainer.resume"
 EXPERIENCE_MAKER_MODULE = "openrlhf_ess.trainer.ppo_utils.experience_maker"
+MARKER = "_fault_injection"  # set on the product functions this launcher wrapped
 
 
 # ---- the hold ------------------------------------------------------------------------------------------------------
@@ -178,10 +182,7 @@ def faulty_weights(tensors: Dict[str, "torch.Tensor"]) -> Dict[str, "torch.Tenso
     return tensors
 
 
-@functools.lru_cache(maxsize=None)
-def _worker_extension_class():
-    from openrlhf_ess.trainer.ray.vllm_worker_wrap import WorkerWrap
-
+def _worker_extension_class(WorkerWrap):
     class FaultInjectionWorkerWrap(WorkerWrap):
         """TEST-ONLY vLLM worker extension: our ``WorkerWrap``, whose staged weights are handed to the load (the
         checksums, then vLLM's ``reload_weights``) through :func:`faulty_weights`."""
@@ -197,82 +198,42 @@ def _worker_extension_class():
     return FaultInjectionWorkerWrap
 
 
-def __getattr__(name: str):
-    # Built on first use (by vLLM, in the engine's worker): importing vLLM here would load it into every Ray worker.
-    if name == "FaultInjectionWorkerWrap":
-        return _worker_extension_class()
-    raise AttributeError(name)
+# Built on first use (by vLLM, in the engine's worker): importing vLLM here would load it into every Ray worker.
+__getattr__ = launch.lazy_worker_extension("FaultInjectionWorkerWrap", _worker_extension_class)
 
 
 # ---- the Ray workers and the launcher ------------------------------------------------------------------------------
-
-
-def _patch(module_name: str, attribute: str, wrap) -> None:
-    """Wrap ``module.attribute`` now if the module is imported, else right after it is (the set-up hook runs before
-    the trainer's modules are imported, and importing them there would load DeepSpeed into every Ray worker)."""
-    from openrlhf_ess.runtime import cpu_compat
-
-    def apply():
-        module = sys.modules[module_name]
-        current = getattr(module, attribute)  # a refactor that renames it fails here, not as a fault never injected
-        if not getattr(current, "_fault_injection", False):
-            wrapped = wrap(current)
-            wrapped._fault_injection = True
-            setattr(module, attribute, wrapped)
-
-    cpu_compat.after_import(module_name, apply)
 
 
 def install() -> None:
     """In this process (a Ray worker): the faults whose variable is set, on the product functions named in the
     module docstring. The weight faults need nothing here (they are in :data:`WORKER_EXTENSION`)."""
     if os.environ.get(FINAL_SAVE_ENV):
-        _patch(SAVING_MODULE, "save_final_model", failing_final_save)
+        launch.wrap_after_import(SAVING_MODULE, "save_final_model", failing_final_save, MARKER)
     if os.environ.get(HOLD_ENV):
-        _patch(RESUME_MODULE, "write_sidecar", holding_before_sidecar)
-        _patch(EXPERIENCE_MAKER_MODULE, "write_audit_batch", holding_after_audit)
+        launch.wrap_after_import(RESUME_MODULE, "write_sidecar", holding_before_sidecar, MARKER)
+        launch.wrap_after_import(EXPERIENCE_MAKER_MODULE, "write_audit_batch", holding_after_audit, MARKER)
 
 
 def setup_ray_worker() -> None:
     """Ray's ``worker_process_setup_hook`` under this launcher: the CLI's own hook, then :func:`install`."""
-    from openrlhf_ess.runtime import worker_hook
-
-    worker_hook.setup_worker()
-    install()
+    launch.setup_worker(install)
 
 
-def _replace(module, name: str, value) -> None:
-    """Set ``module.name``, which must exist: if a refactor renames it, the launcher fails here instead of running
-    the test without its fault."""
-    if not hasattr(module, name):
-        raise AttributeError(f"{module.__name__}.{name} is gone: update tests/helpers/fault_injection.py")
-    setattr(module, name, value)
+def _faults() -> str:
+    return ", ".join(f"{key}={os.environ[key]}" for key in ENVS if os.environ.get(key)) or "none set"
 
 
 def main(argv) -> None:
     """``python -m tests.helpers.fault_injection openrlhf_ess.cli.train_ppo_ray ARGS``: our CLI with the faults
     whose variables are set in every process of the run (Ray worker set-up hook, worker extension)."""
-    if not argv or argv[0] != CLI_MODULE:
-        raise SystemExit(f"usage: python -m tests.helpers.fault_injection {CLI_MODULE} ARGS")
-    # Ray workers and vLLM's engine processes import this module by name (hook, worker extension)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-
-    from openrlhf_ess.cli import train_ppo_ray as cli
-    from openrlhf_ess.trainer.ray import vllm_engine
-
-    runtime_env = cli._runtime_env
-
-    def test_runtime_env():
-        env = runtime_env()
-        env["env_vars"].update({key: os.environ[key] for key in ENVS if os.environ.get(key)})
-        env["worker_process_setup_hook"] = "tests.helpers.fault_injection.setup_ray_worker"
-        return env
-
-    _replace(cli, "_runtime_env", test_runtime_env)
-    _replace(vllm_engine, "WORKER_EXTENSION", WORKER_EXTENSION)
-    faults = ", ".join(f"{key}={os.environ[key]}" for key in ENVS if os.environ.get(key)) or "none set"
-    print(f"[fault_injection] TEST-ONLY faults: {faults}", flush=True)
-    cli.main(argv[1:])
+    launch.run_cli(
+        argv,
+        MODULE,
+        forward=ENVS,
+        worker_extension=WORKER_EXTENSION,
+        banner=lambda: f"[fault_injection] TEST-ONLY faults: {_faults()}",
+    )
 
 
 if __name__ == "__main__":

@@ -49,16 +49,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import os
 import sys
 
+from tests.helpers import launch
+
 ENV = "OPENRLHF_ESS_TEST_GLOO_BROADCAST"  # "1": substitution on; "drop": ... and receivers drop the data
-LAUNCHER = [sys.executable, "-m", "tests.helpers.gloo_broadcast"]
-WORKER_EXTENSION = "tests.helpers.gloo_broadcast.GlooBroadcastWorkerWrap"
-CLI_MODULE = "openrlhf_ess.cli.train_ppo_ray"
+MODULE = "tests.helpers.gloo_broadcast"
+LAUNCHER = launch.launcher(MODULE)
+WORKER_EXTENSION = f"{MODULE}.GlooBroadcastWorkerWrap"
+CLI_MODULE = launch.CLI_MODULE
 LOOPBACK = "127.0.0.1"
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = launch.REPO
 
 
 def enabled() -> bool:
@@ -143,12 +145,10 @@ def install() -> None:
 
 def setup_ray_worker() -> None:
     """Ray's ``worker_process_setup_hook`` in the test run: the CLI's own hook, then the substitution."""
-    from openrlhf_ess.runtime import worker_hook
     from tests.helpers import span_gate
 
-    worker_hook.setup_worker()
-    install()
-    span_gate.install_trainer()  # OPENRLHF_ESS_TEST_SPAN_GATE set: syncs land inside a batch
+    # then, with OPENRLHF_ESS_TEST_SPAN_GATE set, the span gate: syncs land inside a batch
+    launch.setup_worker(install, span_gate.install_trainer)
 
 
 @contextlib.contextmanager
@@ -186,10 +186,7 @@ def _load_weights_into(model, received: dict):
         del model.load_weights
 
 
-@functools.lru_cache(maxsize=None)
-def _worker_extension_class():
-    from openrlhf_ess.trainer.ray.vllm_worker_wrap import WorkerWrap
-
+def _worker_extension_class(WorkerWrap):
     class GlooBroadcastWorkerWrap(WorkerWrap):
         """TEST-ONLY vLLM worker extension: our ``WorkerWrap`` (checksums for the sync check) whose upstream
         ``init_process_group`` and ``update_weight`` run on CPU with the substitution of the module docstring."""
@@ -221,17 +218,15 @@ def _worker_extension_class():
     return GlooBroadcastWorkerWrap
 
 
-def __getattr__(name: str):
-    # The worker extension class is built on first use (by vLLM, in the engine's worker): importing it here
-    # would import vLLM in every Ray worker that runs the set-up hook.
-    if name == "GlooBroadcastWorkerWrap":
-        return _worker_extension_class()
-    raise AttributeError(name)
+# built on first use (by vLLM, in the engine's worker), not on import: see launch.lazy_worker_extension
+__getattr__ = launch.lazy_worker_extension("GlooBroadcastWorkerWrap", _worker_extension_class)
 
 
-def _allow_gloo_on_cpu(config) -> None:
+def _allow_gloo_on_cpu() -> None:
     """The CLI refuses ``--vllm.sync_backend gloo`` without CUDA (unsubstituted, it is the broken PyNccl path);
     with the substitution it works, so validate as if the backend were ``reload`` and put ``gloo`` back."""
+    from openrlhf_ess import config
+
     original = config.validate
 
     def validate(args):
@@ -244,46 +239,27 @@ def _allow_gloo_on_cpu(config) -> None:
         finally:
             args.vllm.sync_backend = backend
 
-    _replace(config, "validate", validate)
+    launch.replace(config, "validate", validate, MODULE)
 
 
-def _replace(module, name: str, value) -> None:
-    """Set ``module.name``, which must exist: if a refactor renames it, the launcher fails here instead of
-    leaving the run on the unsubstituted (broken) path."""
-    if not hasattr(module, name):
-        raise AttributeError(f"{module.__name__}.{name} is gone: update tests/helpers/gloo_broadcast.py")
-    setattr(module, name, value)
+def _prepare() -> None:
+    os.environ.setdefault(ENV, "1")
+    _allow_gloo_on_cpu()
 
 
 def main(argv) -> None:
     """``python -m tests.helpers.gloo_broadcast openrlhf_ess.cli.train_ppo_ray ARGS``: our CLI with the
     substitution in every process of the run (env var, Ray worker set-up hook, worker extension)."""
-    if not argv or argv[0] != CLI_MODULE:
-        raise SystemExit(f"usage: python -m tests.helpers.gloo_broadcast {CLI_MODULE} ARGS")
-    os.environ.setdefault(ENV, "1")
-    # Ray workers and vLLM's engine processes import this module by name (hook, worker extension)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-
-    from openrlhf_ess import config
-    from openrlhf_ess.cli import train_ppo_ray as cli
-    from openrlhf_ess.trainer.ray import vllm_engine
     from tests.helpers import span_gate
 
-    _allow_gloo_on_cpu(config)
-    runtime_env = cli._runtime_env
-
-    def test_runtime_env():
-        env = runtime_env()
-        env["env_vars"][ENV] = os.environ[ENV]
-        if os.environ.get(span_gate.ENV):
-            env["env_vars"][span_gate.ENV] = os.environ[span_gate.ENV]
-        env["worker_process_setup_hook"] = "tests.helpers.gloo_broadcast.setup_ray_worker"
-        return env
-
-    _replace(cli, "_runtime_env", test_runtime_env)
-    _replace(vllm_engine, "WORKER_EXTENSION", WORKER_EXTENSION)
-    print(f"[gloo_broadcast] TEST-ONLY substitution: NCCL -> gloo, {ENV}={os.environ[ENV]}", flush=True)
-    cli.main(argv[1:])
+    launch.run_cli(
+        argv,
+        MODULE,
+        forward=(ENV, span_gate.ENV),
+        worker_extension=WORKER_EXTENSION,
+        prepare=_prepare,
+        banner=lambda: f"[gloo_broadcast] TEST-ONLY substitution: NCCL -> gloo, {ENV}={os.environ[ENV]}",
+    )
 
 
 if __name__ == "__main__":

@@ -36,14 +36,18 @@ import os
 import sys
 import time
 
+from tests.helpers import launch
+
 ENV = "OPENRLHF_ESS_TEST_SPAN_GATE"
-LAUNCHER = [sys.executable, "-m", "tests.helpers.span_gate"]
-WORKER_EXTENSION = "tests.helpers.span_gate.SpanGateWorkerWrap"
-CLI_MODULE = "openrlhf_ess.cli.train_ppo_ray"
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODULE = "tests.helpers.span_gate"
+LAUNCHER = launch.launcher(MODULE)
+WORKER_EXTENSION = f"{MODULE}.SpanGateWorkerWrap"
+CLI_MODULE = launch.CLI_MODULE
+REPO = launch.REPO
 LIMIT_S = 300.0
 TRAINER_MODULE = "openrlhf.trainer.ppo_trainer_async"  # upstream's
 WEIGHT_SYNC_MODULE = "openrlhf_ess.trainer.weight_sync"
+MARKER = "_span_gate"  # set on the functions this module wrapped
 
 
 def path() -> str:
@@ -91,10 +95,9 @@ def held(gate: str) -> list:
         return []
 
 
-def patch_weight_sync_class(cls) -> None:
-    """Rank 0 of the actor arms the gate once ``check_if_due`` returned: the sync check talks to the engines
-    (checksums, the canary's log-probs) through their engine loop, which a held step would block."""
-    check_if_due = cls.check_if_due
+def arming_after_check(check_if_due):
+    """``WeightSync.check_if_due``, after which rank 0 of the actor arms the gate: the sync check talks to the
+    engines (checksums, the canary's log-probs) through their engine loop, which a held step would block."""
 
     def check_then_arm(self, *args, **kwargs):
         import torch.distributed as dist
@@ -104,27 +107,26 @@ def patch_weight_sync_class(cls) -> None:
             arm(path())
         return out
 
-    cls.check_if_due = check_then_arm
+    return check_then_arm
 
 
-def patch_pause(module) -> None:
+def releasing_before_pause(call):
     """Upstream's async training actor pauses the engines for a sync with its module's ``batch_vllm_engine_call(
     engines, "pause_generation")``: release the gate just before. (Not a method patch: Ray ships an actor class's
     methods inside the class it pickles, so patching the class in the actor's process changes nothing.)"""
-    call = module.batch_vllm_engine_call
 
     def releasing_call(engines, method_name, *args, **kwargs):
         if method_name == "pause_generation":
             release(path())
         return call(engines, method_name, *args, **kwargs)
 
-    module.batch_vllm_engine_call = releasing_call
+    return releasing_call
 
 
-PATCHES = {
-    TRAINER_MODULE: patch_pause,
-    WEIGHT_SYNC_MODULE: lambda module: patch_weight_sync_class(module.WeightSync),
-}
+PATCHES = (  # (module, attribute in it, wrapper)
+    (TRAINER_MODULE, "batch_vllm_engine_call", releasing_before_pause),
+    (WEIGHT_SYNC_MODULE, "WeightSync.check_if_due", arming_after_check),
+)
 
 
 def install_trainer() -> None:
@@ -132,17 +134,8 @@ def install_trainer() -> None:
     imported (importing them here would load DeepSpeed and OpenRLHF into every Ray worker)."""
     if not path():
         return
-    from openrlhf_ess.runtime import cpu_compat
-
-    for name, patch in PATCHES.items():
-        cpu_compat.after_import(name, lambda name=name, patch=patch: _patch_once(name, patch))
-
-
-def _patch_once(name: str, patch) -> None:
-    module = sys.modules[name]
-    if not getattr(module, "_span_gate_patched", False):
-        patch(module)
-        module._span_gate_patched = True
+    for module, attribute, wrap in PATCHES:
+        launch.wrap_after_import(module, attribute, wrap, MARKER)
 
 
 def gate_worker(model_runner) -> None:
@@ -175,15 +168,10 @@ def gate_worker(model_runner) -> None:
 
 def setup_ray_worker() -> None:
     """Ray's ``worker_process_setup_hook`` under this launcher: the CLI's own hook, then the trainer's patches."""
-    from openrlhf_ess.runtime import worker_hook
-
-    worker_hook.setup_worker()
-    install_trainer()
+    launch.setup_worker(install_trainer)
 
 
-def _worker_extension_class():
-    from openrlhf_ess.trainer.ray.vllm_worker_wrap import WorkerWrap
-
+def _worker_extension_class(WorkerWrap):
     class SpanGateWorkerWrap(WorkerWrap):
         """TEST-ONLY vLLM worker extension: our ``WorkerWrap``, whose reload-sync entry points put the span gate
         on the model runner (once) before loading."""
@@ -199,44 +187,22 @@ def _worker_extension_class():
     return SpanGateWorkerWrap
 
 
-_EXTENSION = None
-
-
-def __getattr__(name: str):
-    # built on first use, in the engine's worker: importing vLLM here would load it into every Ray worker
-    global _EXTENSION
-    if name == "SpanGateWorkerWrap":
-        if _EXTENSION is None:
-            _EXTENSION = _worker_extension_class()
-        return _EXTENSION
-    raise AttributeError(name)
+# built on first use, in the engine's worker: importing vLLM here would load it into every Ray worker
+__getattr__ = launch.lazy_worker_extension("SpanGateWorkerWrap", _worker_extension_class)
 
 
 def main(argv) -> None:
     """``python -m tests.helpers.span_gate openrlhf_ess.cli.train_ppo_ray ARGS`` with ``OPENRLHF_ESS_TEST_SPAN_GATE``
     set: our CLI with the gate in the training actor, the actor's rank 0 and the engine's worker."""
-    if not argv or argv[0] != CLI_MODULE or not path():
-        raise SystemExit(f"usage: {ENV}=<file> python -m tests.helpers.span_gate {CLI_MODULE} ARGS")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
-
-    from openrlhf_ess.cli import train_ppo_ray as cli
-    from openrlhf_ess.trainer.ray import vllm_engine
-
-    runtime_env = cli._runtime_env
-
-    def test_runtime_env():
-        env = runtime_env()
-        env["env_vars"][ENV] = path()
-        env["worker_process_setup_hook"] = "tests.helpers.span_gate.setup_ray_worker"
-        return env
-
-    replaced = ((cli, "_runtime_env", test_runtime_env), (vllm_engine, "WORKER_EXTENSION", WORKER_EXTENSION))
-    for module, name, value in replaced:
-        if not hasattr(module, name):
-            raise AttributeError(f"{module.__name__}.{name} is gone: update tests/helpers/span_gate.py")
-        setattr(module, name, value)
-    print(f"[span_gate] TEST-ONLY: weight syncs land inside a rollout batch, {ENV}={path()}", flush=True)
-    cli.main(argv[1:])
+    launch.run_cli(
+        argv,
+        MODULE,
+        forward=(ENV,),
+        worker_extension=WORKER_EXTENSION,
+        ready=bool(path()),
+        usage_prefix=f"{ENV}=<file> ",
+        banner=lambda: f"[span_gate] TEST-ONLY: weight syncs land inside a rollout batch, {ENV}={path()}",
+    )
 
 
 if __name__ == "__main__":
