@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Callable, List, Optional, Tuple
 
-from openrlhf_ess.config import ConfigError
+from openrlhf_ess.errors import ConfigError
 
 LOCK_NAME = ".openrlhf_ess.lock"
 

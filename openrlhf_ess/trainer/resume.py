@@ -31,15 +31,16 @@ import time
 import zipfile
 from typing import Callable, List, Optional
 
+from openrlhf_ess.config.resolve import resume_applies
+
 SIDECAR = "openrlhf_ess_resume.pkl"  # inside DeepSpeed's tag folder; written last, so it marks completion
 IDENTITY = "openrlhf_ess_run.json"  # inside DeepSpeed's tag folder: which run wrote it (every run, sync or async)
 _TAG = re.compile(r"^global_step(\d+)$")
 
 
-def applies(args) -> bool:
-    """Whether an async run saves or loads checkpoints (our sidecar and resume checks); off: upstream's."""
-    ckpt = args.ckpt  # save_steps: -1 on the driver, inf in the actors (upstream's controller sets it) = never
-    return bool(args.train.async_enable) and (bool(ckpt.load_enable) or 0 < ckpt.save_steps < float("inf"))
+# Whether an async run saves or loads checkpoints (our sidecar and resume checks); off: upstream's. A flag
+# predicate, so it lives with the others (config/resolve.py); ``resume.applies`` is the name its callers use.
+applies = resume_applies
 
 
 def actor_dir(ckpt_path: str) -> str:
