@@ -37,6 +37,7 @@ def test_gpu_cluster_seen_from_a_driver_without_cuda(monkeypatch):
         # a real GPU recipe (flash-attn, Adam offload, NCCL sync) validates as on the GPU cluster it targets
         recipe = next(s for s in SCRIPTS if "cpu" not in s and "agent" not in s)
         parsed, notices = cli.parse_args(_argv(recipe) + ["--ray.address", address])
+        notices = cli.check_with_cluster(parsed, notices)  # parsing does no I/O: the cluster is joined after it
         assert parsed.ray.accelerator == "cuda" and config.on_cuda(parsed)
         assert parsed.vllm.sync_backend == "nccl", notices
         assert not any("no CUDA here" in n for n in notices), notices
