@@ -61,8 +61,8 @@ TAGS = {
 
 
 def run_one(a, world, flags, root) -> dict:
+    from benchmarks.common import run_cli
     from openrlhf_ess.tools.summary import read_scalars
-    from tests.helpers.e2e import run_cli
 
     run_dir = tempfile.mkdtemp(dir=root)
     args = common_flags(a, world, run_dir, a.prompts)

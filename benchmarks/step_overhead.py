@@ -57,9 +57,8 @@ def _trainer(strategy, model, optim, scheduler, micro, algo_overrides, kl_loss: 
 def measure(a) -> dict:
     import torch
 
+    from benchmarks.common import build_actor, make_rollout, single_process_env
     from openrlhf_ess.tiny.world import build_world
-    from tests.helpers.ds_actor import build_actor, single_process_env
-    from tests.helpers.ess_ds import make_rollout
 
     single_process_env()
     world = build_world(os.path.join(tempfile.mkdtemp(prefix="ess_step_"), "world"), seed=0, n_prompts=8)

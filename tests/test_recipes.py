@@ -15,10 +15,13 @@ SCRIPTS = sorted(glob.glob(os.path.join(REPO, "examples", "scripts", "*.sh")))
 
 def _flags(path):
     text = open(path).read()
-    # flags inside the args=( ... ) array, one per line, upstream's layout
-    body = re.search(r"args=\((.*?)\n\)", text, re.S)
-    assert body, f"{path}: no args=( ... ) array"
-    lines = [ln.split("#")[0] for ln in body.group(1).splitlines()]
+    # flags inside the bash arrays (args=( ... ), and the blocks a recipe takes from a file it sources), one per
+    # line, upstream's layout
+    for sourced in re.findall(r'source "\$\(dirname "\$\{BASH_SOURCE\[0\]\}"\)/([\w.]+)"', text):
+        text += open(os.path.join(os.path.dirname(path), sourced)).read()
+    bodies = re.findall(r"\w*args=\((.*?)\n\)", text, re.S)
+    assert bodies, f"{path}: no args=( ... ) array"
+    lines = [ln.split("#")[0] for body in bodies for ln in body.splitlines()]
     return re.findall(r"(?<![\w-])(--[a-z_][\w.]*)", "\n".join(lines))
 
 
@@ -42,18 +45,28 @@ def test_script_flags_are_accepted(script):
     assert not unknown, f"{os.path.basename(script)} uses flags our parser rejects: {unknown}"
 
 
-def _argv(path):
-    """The args array as the shell would pass it, variables replaced by placeholders."""
-    import shlex
+def _argv(path, tmp_path):
+    """The CLI's arguments as the script passes them: the script run under bash with ``python3`` and ``ray`` replaced
+    by stubs on PATH that print their arguments (nothing runs), its variables set to a placeholder."""
+    for name in ("python3", "ray"):
+        stub = tmp_path / name
+        stub.write_text("#!/usr/bin/env bash\nprintf '%s\\n' \"$@\"\n")
+        stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.update(dict.fromkeys(("MODEL", "DATA", "REWARD", "SAVE", "EVAL", "HEAD"), "PLACEHOLDER"))
+    run = subprocess.run(["bash", path], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout.splitlines()
+    entry = next(i for i, arg in enumerate(out) if arg.endswith(".train_ppo_ray"))  # after "-m"
+    return out[entry + 1 :]
 
-    body = re.search(r"args=\((.*?)\n\)", open(path).read(), re.S).group(1)
-    lines = [ln.split(" #")[0] for ln in body.splitlines() if not ln.strip().startswith("#")]
-    text = re.sub(r'"?\$\{?\w+(:-[^}]*)?\}?"?', "PLACEHOLDER", "\n".join(lines))
-    return shlex.split(text)
+
+# the GPU recipes; a file whose name starts with "_" holds blocks the recipes source, not a command
+GPU_RECIPES = [s for s in SCRIPTS if "cpu" not in os.path.basename(s) and not os.path.basename(s).startswith("_")]
 
 
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if "cpu" not in os.path.basename(s)], ids=os.path.basename)
-def test_gpu_recipe_passes_validation(script, monkeypatch):
+@pytest.mark.parametrize("script", GPU_RECIPES, ids=os.path.basename)
+def test_gpu_recipe_passes_validation(script, monkeypatch, tmp_path):
     # Upstream's and our cross-flag checks, as on a GPU machine (CUDA faked: nothing is loaded).
     from openrlhf_ess.cli import train_ppo_ray as cli
     from openrlhf_ess.cli.train_ppo_ray import parse_args
@@ -62,7 +75,8 @@ def test_gpu_recipe_passes_validation(script, monkeypatch):
     monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
     # a multi-node recipe joins its cluster, whose GPU nodes answer the probe (test_accelerator_decision.py)
     monkeypatch.setattr(cli, "_probe_gpu_nodes", lambda address: {"gpu node": True})
-    args, _ = parse_args(_argv(script))
+    args, notices = parse_args(_argv(script, tmp_path))
+    cli.check_with_cluster(args, notices)  # parsing does no I/O: the cluster is joined after it
     assert args.ray.accelerator == "cuda"
     assert args.actor.model_name_or_path == "PLACEHOLDER"
 

@@ -20,6 +20,7 @@ DATA=${DATA:-data/math/train.jsonl}          # {"prompt": ..., "label": ...} per
 EVAL=${EVAL:-data/math/math500.jsonl}
 REWARD=${REWARD:-examples/python/reward_func.py}   # your reward_func(queries, prompts, labels): 1 if correct
 SAVE=${SAVE:-./checkpoint/qwen2.5-7b-math-vcpo}
+source "$(dirname "${BASH_SOURCE[0]}")/_grpo_7b_base.sh"   # its DeepSpeed block
 
 args=(
    # models and data (max_prompt_length 1024, max_response_length 2048)
@@ -57,11 +58,7 @@ args=(
    --actor.lr_scheduler constant
    --actor.adam.weight_decay 0.1
    --actor.max_norm 1.0
-   # DeepSpeed
-   --ds.zero_stage 3
-   --ds.param_dtype bf16
-   --ds.attn_implementation flash_attention_2
-   --actor.gradient_checkpointing_enable
+   "${deepspeed_args[@]}"
    # logging and checkpoints
    --ckpt.output_dir "$SAVE"
    --ckpt.path "$SAVE/ckpt"

@@ -9,88 +9,9 @@ loss per step and a checksum of the parameters before and after.
 
 import argparse
 import json
-import os
 
-from tests.helpers.ports import free_port
-
-
-def single_process_env() -> None:
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-
-
-def build_actor(
-    model_path, prompts, zero_stage, param_dtype, train_batch, micro_batch, lr=1e-3, extra=(), zero_overrides=None
-):
-    """``zero_overrides``: entries replacing upstream's ``zero_optimization`` config (e.g. a persistence
-    threshold), in both the model's ZeRO-3 init and ``deepspeed.initialize``."""
-    from openrlhf_ess.runtime import cpu_compat
-
-    cpu_compat.apply()
-    from openrlhf.models import Actor
-    from openrlhf.utils import get_strategy
-
-    from openrlhf_ess.cli.train_ppo_ray import parse_args
-
-    argv = [
-        "--actor.model_name_or_path",
-        model_path,
-        "--data.prompt_dataset",
-        prompts,
-        "--reward.remote_url",
-        "unused.py",
-        "--ds.attn_implementation",
-        "sdpa",
-        "--ds.zero_stage",
-        str(zero_stage),
-        "--ds.param_dtype",
-        param_dtype,
-        "--train.batch_size",
-        str(train_batch),
-        "--train.micro_batch_size",
-        str(micro_batch),
-        "--actor.num_gpus_per_node",
-        "1",
-        "--actor.adam.lr",
-        str(lr),
-        "--actor.lr_warmup_ratio",
-        "0",
-        "--actor.lr_scheduler",
-        "constant",
-        "--algo.advantage.estimator",
-        "reinforce",
-    ] + list(extra)
-    args, _ = parse_args(argv)
-    strategy = get_strategy(args)
-    if zero_overrides:
-        upstream_config = strategy.get_ds_train_config
-
-        def with_overrides(*a, **k):
-            config = upstream_config(*a, **k)
-            config["zero_optimization"].update(zero_overrides)
-            return config
-
-        strategy.get_ds_train_config = with_overrides
-    strategy.setup_distributed()
-    actor = Actor(
-        model_path,
-        attn_implementation="sdpa",
-        param_dtype=param_dtype,
-        ds_config=strategy.get_ds_train_config(),
-        temperature=1.0,
-    )
-    cfg = dict(
-        optim="adam",
-        muon=vars(args.actor.muon),
-        adam=vars(args.actor.adam),
-        lr_scheduler=args.actor.lr_scheduler,
-        lr_warmup_ratio=args.actor.lr_warmup_ratio,
-        min_lr_ratio=args.actor.min_lr_ratio,
-        max_norm=args.actor.max_norm,
-        scheduler_steps=100,
-    )
-    model, optim, scheduler = strategy.prepare((actor, cfg))
-    return strategy, model, optim, scheduler
+# moved to benchmarks/common.py (benchmarks/step_overhead.py builds the actor too)
+from benchmarks.common import build_actor, single_process_env  # noqa: F401
 
 
 def param_checksum(model, strategy) -> float:

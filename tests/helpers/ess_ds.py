@@ -18,33 +18,11 @@ import argparse
 
 import torch
 
-from tests.helpers.ds_actor import build_actor, single_process_env
+# make_rollout moved to benchmarks/common.py (benchmarks/step_overhead.py trains on it too)
+from benchmarks.common import ACT, SEQ, build_actor, make_rollout, single_process_env  # noqa: F401
 
 MICRO = 2
 VARIANTS = ("ours_on", "ours_off", "upstream")
-SEQ, ACT = 12, 6
-
-
-def make_rollout(seed: int, n: int):
-    """n single-sample experiences; trajectory i has mean_t(log π_prox − log μ) = 0 or log 5."""
-    from openrlhf.trainer.ppo_utils.experience import Experience
-
-    g = torch.Generator().manual_seed(seed)
-    seqs = torch.randint(4, 60, (n, SEQ), generator=g)
-    prox = -torch.rand(n, ACT, generator=g) * 3 - 0.5
-    shift = torch.tensor([0.0 if i % 2 == 0 else float(torch.log(torch.tensor(5.0))) for i in range(n)])
-    rollout = prox - shift[:, None]
-    adv = torch.randn(n, ACT, generator=g)
-    return Experience(
-        sequences=seqs,
-        attention_mask=torch.ones_like(seqs),
-        action_mask=torch.ones(n, ACT, dtype=torch.bool),
-        action_log_probs=prox,
-        rollout_log_probs=rollout,
-        advantages=adv,
-        returns=adv.clone(),
-        info={"reward": torch.zeros(n)},
-    )
 
 
 def train_variant(a, variant: str, lr: float, out: str) -> None:

@@ -14,94 +14,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
-import psutil
-
-from openrlhf_ess.runtime.shm_cleanup import SHM_DIR, files_of, mapped_shm
-from openrlhf_ess.runtime.shm_cleanup import end_processes as shm_end_processes
-from tests.helpers.e2e import REPO
-
-
-class _Tree:
-    """Every process seen under ``root`` so far: {pid: (create_time, command line)}; and the /dev/shm files they
-    were seen using (``shm``: names, looked at every 2 s).
-
-    Leaving the ``with`` block by an exception (a failed assertion, a timeout, Ctrl-C) ends every recorded process
-    still alive, by PID: a failing test never leaves its run behind."""
-
-    SHM_EVERY = 10  # polls (0.2 s apart) between two looks at the processes' /dev/shm files
-
-    def __init__(self, root: int):
-        self.root = root
-        self.seen = {}
-        self.shm = {}  # (device, inode) of a /dev/shm file the run's processes used -> when last seen
-        self.shm_names = set()
-        self._polls = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type, *exc):
-        self._stop.set()
-        self._thread.join()
-        if exc_type is not None:
-            self.sample()
-            end_processes(self.alive(), grace=5)
-
-    def _poll(self):
-        while not self._stop.is_set():
-            self._polls += 1
-            self.sample(shm=self._polls % self.SHM_EVERY == 1)
-            self._stop.wait(0.2)
-
-    def sample(self, shm: bool = True):
-        try:
-            root = psutil.Process(self.root)
-            procs = [root] + root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            return
-        for p in procs:
-            try:
-                created, cmd = p.create_time(), " ".join(p.cmdline())[:200]
-            except psutil.Error:
-                created = cmd = None
-            first = self.seen.get(p.pid)
-            # first sight; or the same process (same start time) read again: a child seen between its fork and its
-            # exec showed its parent's command line (under load a GCS server was recorded as "python ...
-            # train_ppo_ray" for good, and a test waiting for "gcs_server" saw the run end first)
-            if created is not None and (first is None or (first[0] == created and cmd)):
-                self.seen[p.pid] = (created, cmd)
-            if shm:
-                used = mapped_shm(p.pid)
-                self.shm.update(dict.fromkeys(used, time.time()))
-                self.shm_names.update(used.values())
-
-    def shm_left(self):
-        """The /dev/shm files the run's processes were seen using that still exist."""
-        return files_of(self.shm)
-
-    def alive(self):
-        """The recorded processes that still exist (same PID and same start time), as psutil objects."""
-        out = []
-        for pid, (created, _) in self.seen.items():
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
-
-
-def end_processes(procs, grace: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds, exactly these processes (psutil objects): the package's own
-    routine (``openrlhf_ess.runtime.shm_cleanup.end_processes``, what a signalled run does to its processes)."""
-    shm_end_processes(procs, grace)
+from benchmarks.common import REPO, _Tree, end_processes  # noqa: F401  (the process tracking: benchmarks/common.py)
+from openrlhf_ess.runtime.shm_cleanup import SHM_DIR
 
 
 class TrackedRun:

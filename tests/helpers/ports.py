@@ -1,11 +1,5 @@
 """A free TCP port on 127.0.0.1, for the tests' rendezvous and Ray clusters (no heavy import: the GPU checks' harness
 uses it on the device image too)."""
 
-import socket
-
-
-def free_port() -> int:
-    """A port the kernel had free a moment ago (bound to 127.0.0.1 and released); the caller binds it next."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# moved to benchmarks/common.py (the benchmarks' one-process DeepSpeed actor takes a port too)
+from benchmarks.common import free_port  # noqa: F401

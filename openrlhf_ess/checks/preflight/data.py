@@ -1,14 +1,18 @@
 """Pre-flight, prompt datasets, as upstream's ``blending_datasets`` reads them (.jsonl/.json/.csv/.parquet/.arrow,
-folders): they parse, every record has ``--data.input_key`` (and ``--data.label_key``), no prompt is empty. Streamed;
-each file is read up to ``--data.max_samples`` records (100k JSON lines take ~0.3 s); a folder's files are those
-datasets' loader reads (one format, the split's files: :func:`_loader_files`). Then the prompt count against one
-training batch (:func:`_check_batches_fill`)."""
+folders): they parse, every record has ``--data.input_key`` (and ``--data.label_key``), no prompt is empty. Each file
+is read by datasets itself (``load_dataset(builder, data_files=..., streaming=True)``, the builder from
+:data:`BUILDERS`), up to ``--data.max_samples`` records; a folder's files are those datasets' loader reads (one
+format, the split's files: :func:`_loader_files`). Rows carry no line number: where a check fails, the file as written
+names the line (:class:`_JsonSource`, :func:`_csv_line`). Then the prompt count against one training batch
+(:func:`_check_batches_fill`)."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import csv
 import glob
+import itertools
 import json
 import os
 import types
@@ -47,14 +51,20 @@ def _check_batches_fill(args: types.SimpleNamespace, data: "_Data", notices: Lis
 
 
 class _Records:
-    """Checks records of one data file against --data.input_key / --data.label_key."""
+    """Checks the rows datasets reads from one data file against --data.input_key / --data.label_key. Rows carry no
+    position: ``locate(i)`` names row ``i`` (0-based) in the file ("line 3", "row 2") when a check fails, and for JSON
+    ``raw(i)`` is the record as written, which tells a missing key from a null (datasets fills both with None)."""
 
-    def __init__(self, flag: str, path: str, args):
+    def __init__(self, flag: str, path: str, args, locate: Callable[[int], str], raw=None):
         self.flag, self.path = flag, path
         self.input_key, self.label_key = args.data.input_key, args.data.label_key
         self.chat = args.data.apply_chat_template
+        self.locate, self.raw = locate, raw
         self.count = 0
         self.first: Optional[dict] = None
+
+    def reset(self) -> None:
+        self.count, self.first = 0, None
 
     def eval_fix(self, key: str, flag: str, what: str) -> Optional[str]:
         """For --eval.dataset: the fix that keeps the training set working, or None for the training set. Upstream
@@ -74,45 +84,56 @@ class _Records:
         label = f', "{self.label_key}": "..."' if self.label_key else ""
         return f'{{"{self.input_key}": "..."{label}}}'
 
-    def record(self, where: str, record: Any) -> None:
-        """One JSON record: an object with the keys, a non-empty prompt."""
-        if not isinstance(record, dict):
-            raise ConfigError(
-                f"{self.where(where)}: a JSON {type(record).__name__}, not an object; each record must be an object "
-                f"such as {self.example()}."
-            )
+    def not_object(self, where: str, record: Any) -> ConfigError:
+        return ConfigError(
+            f"{self.where(where)}: a JSON {type(record).__name__}, not an object; each record must be an object "
+            f"such as {self.example()}."
+        )
+
+    def record(self, i: int, row: dict) -> None:
+        """Row ``i`` of a JSON file: the record has the keys (a key datasets filled with None is looked up in the
+        record as written), a non-empty prompt."""
         for key, flag, fix in (
             (self.input_key, "--data.input_key", "set --data.input_key to the key that holds the prompt"),
             (self.label_key, "--data.label_key", "drop --data.label_key if the reward needs no label"),
         ):
-            if key is not None and key not in record:
+            if key is None or row.get(key) is not None:
+                continue
+            record = self.raw(i)
+            if not isinstance(record, dict):
+                raise self.not_object(self.locate(i), record)
+            if key not in record:
                 keys = ", ".join(repr(k) for k in list(record)[:8]) or "none"
                 raise ConfigError(
-                    f"{self.where(where)}: no key {key!r} ({flag}); its keys: {keys}. Add it to that record, or "
-                    f"{self.eval_fix(key, flag, 'key') or fix}."
+                    f"{self.where(self.locate(i))}: no key {key!r} ({flag}); its keys: {keys}. Add it to that "
+                    f"record, or {self.eval_fix(key, flag, 'key') or fix}."
                 )
-        self.value(where, record[self.input_key], record)
+        self.value(i, row.get(self.input_key), row)
 
-    def value(self, where: str, prompt: Any, record: Optional[dict] = None) -> None:
-        """One prompt value (the input_key column of a table, or a record's)."""
+    def value(self, i: int, prompt: Any, record: Optional[dict] = None) -> None:
+        """Row ``i``'s prompt value (the input_key column of a table, or a record's)."""
         self.count += 1
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ConfigError(
-                    f"{self.where(where)}: empty prompt ({self.input_key!r} is {prompt!r}). Fill it in or remove the "
-                    "record: an empty prompt gives the engine nothing to continue."
+                    f"{self.where(self.locate(i))}: empty prompt ({self.input_key!r} is {prompt!r}). Fill it in or "
+                    "remove the record: an empty prompt gives the engine nothing to continue."
                 )
         elif self.chat and isinstance(prompt, list):
             if not prompt:
-                raise ConfigError(f"{self.where(where)}: empty prompt ({self.input_key!r} is an empty message list).")
+                raise ConfigError(
+                    f"{self.where(self.locate(i))}: empty prompt ({self.input_key!r} is an empty message list)."
+                )
         elif prompt is None:
             raise ConfigError(
-                f"{self.where(where)}: empty prompt ({self.input_key!r} is null). Fill it in or remove the record."
+                f"{self.where(self.locate(i))}: empty prompt ({self.input_key!r} is null). Fill it in or remove the "
+                "record."
             )
         else:
             chat = "" if self.chat else " (a list of chat messages needs --data.apply_chat_template)"
             raise ConfigError(
-                f"{self.where(where)}: the prompt ({self.input_key!r}) is a {type(prompt).__name__}, not text{chat}."
+                f"{self.where(self.locate(i))}: the prompt ({self.input_key!r}) is a {type(prompt).__name__}, not "
+                f"text{chat}."
             )
         if self.first is None:
             self.first = dict(record) if record is not None else {self.input_key: prompt}
@@ -128,6 +149,9 @@ class _Records:
                     f"{fix[0].upper()}{fix[1:]}."
                 )
 
+    def table_columns(self) -> List[str]:
+        return [k for k in (self.input_key, self.label_key) if k is not None]
+
     def empty(self, why: str) -> ConfigError:
         return ConfigError(
             f"{self.flag} {self.path}: no records ({why}). Add prompts, e.g. one JSON object per line such as "
@@ -135,161 +159,253 @@ class _Records:
         )
 
 
-def _json_error(records: _Records, line: int, e: ValueError, column: Optional[int] = None) -> ConfigError:
-    if isinstance(e, UnicodeDecodeError):
-        what = f"not UTF-8 text ({e.reason})"
-    else:
-        what = f"not valid JSON ({getattr(e, 'msg', e)}, column {column or getattr(e, 'colno', '?')})"
-    return ConfigError(
-        f"{records.where(f'line {line}')}: {what}. Each record must be one JSON object such as {records.example()}; "
-        "fix or remove that line."
-    )
+@contextlib.contextmanager
+def _datasets_quiet():
+    """datasets logs a file it fails to parse at ERROR level; pre-flight says it once, in its own words."""
+    import datasets
+
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def _dataset(path: str, builder: str, **config):
+    """One local file as datasets reads it (upstream: ``load_dataset(builder, data_files=path)``), streamed: only
+    the rows asked for, and the chunk they are in, are read."""
+    import datasets
+
+    return datasets.load_dataset(builder, data_files=[path], split="train", streaming=True, **config)
+
+
+def _first_rows(ds, cap: int) -> Iterator[dict]:
+    """The first ``cap`` rows, one by one: nothing after the row that makes ``cap`` is asked of datasets (its
+    ``take`` and batched ``iter`` read on into the next chunk, which may hold a line past ``cap`` that does not
+    parse)."""
+    return itertools.islice(iter(ds), max(cap, 0))
+
+
+class _JsonSource:
+    """One JSON file as written, read with the standard library's ``json`` only where datasets' rows say too little:
+    the line a row starts on, the record behind a None (a missing key, a null, not an object), and the record that
+    made datasets fail. JSON Lines are indexed line by line, as far as asked; a JSON array (or objects spread over
+    lines) is decoded whole, as datasets does."""
+
+    def __init__(self, records: _Records):
+        self.records, self.path = records, records.path
+        self.items: List[Tuple[int, int, Any]] = []  # (line, byte offset, value) per record
+        self.problem: Optional[Tuple[int, int, ConfigError]] = None  # (index, byte offset, error) of the first bad one
+        self.document = False
+        self.lines = 0  # lines of a JSON Lines file seen so far
+        self._walk: Optional[Iterator[None]] = None
+
+    def _error(self, line: int, e: ValueError, column: Optional[int] = None) -> ConfigError:
+        if isinstance(e, UnicodeDecodeError):
+            what = f"not UTF-8 text ({e.reason})"
+        else:
+            what = f"not valid JSON ({getattr(e, 'msg', e)}, column {column or getattr(e, 'colno', '?')})"
+        return ConfigError(
+            f"{self.records.where(f'line {line}')}: {what}. Each record must be one JSON object such as "
+            f"{self.records.example()}; fix or remove that line."
+        )
+
+    def _json_lines(self) -> Iterator[None]:
+        offset = 0
+        with open(self.path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                self.lines, at, offset = lineno, offset, offset + len(line)
+                if not line.strip():
+                    continue
+                try:
+                    value = json.loads(line)
+                except ValueError as e:
+                    if not self.items and not isinstance(e, UnicodeDecodeError):
+                        break  # not JSON Lines: maybe an array or multi-line objects
+                    self.problem = (len(self.items), at, self._error(lineno, e))
+                    return
+                if not self.items and not isinstance(value, dict):
+                    break
+                self.items.append((lineno, at, value))
+                if not isinstance(value, dict):
+                    self.problem = (len(self.items) - 1, at, self.records.not_object(f"line {lineno}", value))
+                    return
+                yield
+            else:
+                return
+        self.document, self.items = True, []
+        self._json_document()
+
+    def _json_document(self) -> None:
+        with open(self.path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            self.problem = (0, 0, self._error(raw.count(b"\n", 0, e.start) + 1, e))
+            return
+        decoder = json.JSONDecoder()
+
+        def skip(p: int) -> int:
+            while p < len(text) and text[p] in " \t\r\n":
+                p += 1
+            return p
+
+        pos = skip(0)
+        in_array = text.startswith("[", pos)
+        if in_array:
+            pos = skip(pos + 1)
+        while pos < len(text) and not (in_array and text[pos] == "]"):
+            line = text.count("\n", 0, pos) + 1
+            try:
+                value, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as e:
+                self.problem = (len(self.items), pos, self._error(e.lineno, e, e.colno))
+                return
+            self.items.append((line, pos, value))
+            if not isinstance(value, dict) and not (in_array and isinstance(value, str)):
+                self.problem = (len(self.items) - 1, pos, self.records.not_object(f"line {line}", value))
+                return
+            pos = skip(end)
+            if in_array and pos < len(text) and text[pos] == ",":
+                pos = skip(pos + 1)
+            elif in_array and not text.startswith("]", pos):
+                error = ValueError("expected ',' or ']' between array elements")
+                self.problem = (len(self.items), pos, self._error(text.count("\n", 0, pos) + 1, error, 1))
+                return
+
+    def _upto(self, index: Optional[int]) -> None:
+        """Read records until record ``index`` is known, or (None) to the end or the first bad one."""
+        if self._walk is None:
+            self._walk = self._json_lines()
+        while (index is None or len(self.items) <= index) and self.problem is None:
+            if next(self._walk, StopIteration) is StopIteration:
+                return
+
+    def line(self, i: int) -> str:
+        self._upto(i)
+        return f"line {self.items[i][0]}" if i < len(self.items) else f"record {i + 1}"
+
+    def value(self, i: int) -> Any:
+        self._upto(i)
+        return self.items[i][2] if i < len(self.items) else None
+
+    def first_problem(self) -> Optional[Tuple[int, int, ConfigError]]:
+        self._upto(None)
+        return self.problem
+
+    def why_empty(self) -> str:
+        self._upto(None)
+        if self.document:
+            return "an empty JSON array"
+        return "the file is empty" if self.lines == 0 else "only blank lines"
 
 
 def _check_json_file(records: _Records, cap: int) -> None:
-    """JSON Lines, streamed; else (a JSON array, or pretty-printed objects) the whole file, as HF's loader does."""
-    lineno = 0
-    with open(records.path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                if records.count == 0 and not isinstance(e, UnicodeDecodeError):
-                    break  # not JSON Lines: maybe an array or multi-line objects
-                raise _json_error(records, lineno, e) from None
-            if records.count == 0 and not isinstance(record, dict):
-                break
-            records.record(f"line {lineno}", record)
-            if records.count >= cap:
-                return
-        else:
-            if records.count == 0:
-                raise records.empty("the file is empty" if lineno == 0 else "only blank lines")
-            return
-    _check_json_document(records, cap)
-
-
-def _check_json_document(records: _Records, cap: int) -> None:
-    with open(records.path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise _json_error(records, raw.count(b"\n", 0, e.start) + 1, e) from None
-    decoder = json.JSONDecoder()
-    pos, line, counted = 0, 1, 0
-
-    def line_at(p: int) -> int:
-        nonlocal line, counted
-        line += text.count("\n", counted, p)
-        counted = p
-        return line
-
-    def skip(p: int) -> int:
-        while p < len(text) and text[p] in " \t\r\n":
-            p += 1
-        return p
-
-    def decode(p: int) -> Tuple[Any, int]:
+    """The rows datasets' "json" builder reads, up to ``cap``. Where datasets fails (a line that is not JSON, a record
+    that is not an object), the record at fault is found in the file: the rows of JSON Lines before it are read
+    again, the read bounded just before it (datasets' ``chunksize``), so a bad line past ``cap`` is never read."""
+    source = _JsonSource(records)
+    records.locate, records.raw = source.line, source.value
+    bound: Optional[int] = None
+    while True:
         try:
-            return decoder.raw_decode(text, p)
-        except json.JSONDecodeError as e:
-            raise _json_error(records, e.lineno, e, e.colno) from None
-
-    pos = skip(0)
-    in_array = text.startswith("[", pos)
-    if in_array:
-        pos = skip(pos + 1)
-    while pos < len(text) and records.count < cap:
-        if in_array and text[pos] == "]":
+            with _datasets_quiet():
+                config = {"chunksize": bound} if bound else {}
+                for row in _first_rows(_dataset(records.path, "json", **config), cap):
+                    records.record(records.count, row)
             break
-        record, end = decode(pos)
-        records.record(f"line {line_at(pos)}", record)
-        pos = skip(end)
-        if in_array and pos < len(text) and text[pos] == ",":
-            pos = skip(pos + 1)
-        elif in_array and not text.startswith("]", pos):
-            raise _json_error(records, line_at(pos), ValueError("expected ',' or ']' between array elements"), 1)
+        except ConfigError:
+            raise
+        except Exception as e:
+            problem = source.first_problem()
+            if problem is None and not source.items:  # datasets cannot load an empty file at all
+                raise records.empty(source.why_empty()) from None
+            if problem is None:
+                raise ConfigError(f"{records.where()}: datasets cannot read it as JSON ({first_line(e)}).") from None
+            index, offset, error = problem
+            if bound is not None or source.document or index == 0:
+                raise error from None
+            records.reset()
+            bound = offset - 1  # datasets reads this many bytes, then to the end of that line: the line before
     if records.count == 0:
-        raise records.empty("an empty JSON array" if in_array else "the file is empty")
+        problem = source.first_problem()
+        if problem is not None:
+            raise problem[2]
+        raise records.empty(source.why_empty())
 
 
-def _check_csv_file(records: _Records, cap: int) -> None:
-    csv.field_size_limit(2**31 - 1)  # HF reads CSV with pandas, which has no field size limit
+def _csv_line(path: str, i: int) -> str:
+    """The line row ``i`` of a CSV file ends on (a quoted value may span lines); the header is line 1."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        for n, _ in enumerate(reader):
+            if n == i + 1:
+                return f"line {reader.line_num}"
+    return f"row {i + 1}"
+
+
+def _csv_header(path: str) -> List[str]:
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        return next(csv.reader(f), [])
+
+
+def _is_blank(path: str) -> bool:
+    with open(path, "rb") as f:
+        return not f.read(1 << 16).strip()
+
+
+def _check_table(records: _Records, cap: int, builder: str, what: str, header: str) -> None:
+    """The rows datasets' csv/parquet/arrow builder reads, up to ``cap``: the header holds the input (and label)
+    columns, then each row's prompt."""
     try:
-        with open(records.path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
-            if reader.fieldnames is None:
-                raise records.empty("the file is empty")
-            records.columns("line 1 (the header)", list(reader.fieldnames), "column")
-            for row in reader:
-                records.value(f"line {reader.line_num}", row.get(records.input_key), row)
-                if records.count >= cap:
-                    return
-    except (csv.Error, UnicodeDecodeError) as e:
-        raise ConfigError(f"{records.where()}: not a readable CSV file ({first_line(e)}).") from None
+        with _datasets_quiet():
+            ds = _dataset(records.path, builder)
+            names = list(ds.features) if ds.features is not None else None  # Parquet/Arrow: the file's schema
+            if names is not None:
+                records.columns(header, names, "column")
+                ds = ds.select_columns(records.table_columns())
+            for row in _first_rows(ds, cap):
+                if names is None:  # CSV: the header, as the first row's columns
+                    names = list(row)
+                    records.columns(header, names, "column")
+                records.value(records.count, row[records.input_key], row)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{records.where()}: not a readable {what} file ({first_line(e)}).") from None
     if records.count == 0:
-        raise records.empty("a header but no rows")
-
-
-def _check_batches(records: _Records, batches: Iterator[Any], cap: int) -> None:
-    """Rows of an Arrow-backed table (Parquet, Arrow, a saved HF dataset), as column batches."""
-    row = 0
-    for batch in batches:
-        columns = batch if isinstance(batch, dict) else batch.to_pydict()
-        prompts = columns[records.input_key]
-        for i, prompt in enumerate(prompts):
-            row += 1
-            first = {k: v[i] for k, v in columns.items()} if records.first is None else None
-            records.value(f"row {row}", prompt, first)
-            if records.count >= cap:
-                return
-    if records.count == 0:
+        if builder == "csv":
+            records.columns(header, _csv_header(records.path), "column")
+            raise records.empty("a header but no rows")
         raise records.empty("a table with no rows")
 
 
-def _table_columns(records: _Records) -> List[str]:
-    return [k for k in (records.input_key, records.label_key) if k is not None]
+def _check_csv_file(records: _Records, cap: int) -> None:
+    if _is_blank(records.path):
+        raise records.empty("the file is empty")
+    records.locate = lambda i: _csv_line(records.path, i)
+    _check_table(records, cap, "csv", "CSV", "line 1 (the header)")
 
 
 def _check_parquet_file(records: _Records, cap: int) -> None:
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(records.path)
-        names = pf.schema_arrow.names
-    except Exception as e:
-        raise ConfigError(f"{records.where()}: not a readable Parquet file ({first_line(e)}).") from None
-    records.columns("(schema)", names, "column")
-    _check_batches(records, pf.iter_batches(batch_size=4096, columns=_table_columns(records)), cap)
+    _check_table(records, cap, "parquet", "Parquet", "(schema)")
 
 
 def _check_arrow_file(records: _Records, cap: int) -> None:
-    import pyarrow as pa
+    _check_table(records, cap, "arrow", "Arrow", "(schema)")
 
-    with pa.memory_map(records.path) as source:
-        try:
-            try:
-                reader = pa.ipc.open_stream(source)  # as HF's "arrow" builder: stream format, else file format
-                batches = iter(reader)
-            except (OSError, pa.lib.ArrowInvalid):
-                source.seek(0)
-                reader = pa.ipc.open_file(source)
-                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        except Exception as e:
-            raise ConfigError(f"{records.where()}: not a readable Arrow file ({first_line(e)}).") from None
-        records.columns("(schema)", reader.schema.names, "column")
-        _check_batches(records, (batch.select(_table_columns(records)) for batch in batches), cap)
 
+# datasets' builder for a local data file, by its (lower-case) extension: what upstream's blending_datasets passes to
+# load_dataset for a file, and what datasets infers for a folder's files.
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 
 _FILE_CHECKS: Dict[str, Callable[[_Records, int], None]] = {
-    ".json": _check_json_file,
-    ".jsonl": _check_json_file,
-    ".csv": _check_csv_file,
-    ".parquet": _check_parquet_file,
-    ".arrow": _check_arrow_file,
+    "json": _check_json_file,
+    "csv": _check_csv_file,
+    "parquet": _check_parquet_file,
+    "arrow": _check_arrow_file,
 }
 
 
@@ -384,8 +500,8 @@ def _check_files(flag: str, files: List[str], args, data: _Data):
     for path in files:
         if os.path.isdir(path):
             raise ConfigError(f"{flag} {path}: is a folder, but its name ends like a data file; pass the folder name.")
-        records = _Records(flag, path, args)
-        _FILE_CHECKS[os.path.splitext(path)[1].lower()](records, cap)
+        records = _Records(flag, path, args, locate=lambda i: f"row {i + 1}")
+        _FILE_CHECKS[BUILDERS[os.path.splitext(path)[1].lower()]](records, cap)
         data.files += 1
         data.records += records.count
         cap -= records.count
@@ -412,11 +528,16 @@ def _check_folder(flag, spec, data_dir, split, split_flag, args, data: _Data, no
                     f"{split_flag} to one of them."
                 )
             ds = ds[split]
-        records = _Records(flag, spec, args)
+        records = _Records(flag, spec, args, locate=lambda i: f"row {i + 1}")
         records.columns("(schema)", list(ds.column_names), "column")
         cap = args.data.max_samples
-        ds = ds.select_columns(_table_columns(records))
-        _check_batches(records, ds.iter(batch_size=4096), cap)
+        ds = ds.select_columns(records.table_columns())
+        for batch in ds.select(range(min(cap, len(ds)))).iter(batch_size=4096):
+            for j, prompt in enumerate(batch[records.input_key]):
+                first = {k: v[j] for k, v in batch.items()} if records.first is None else None
+                records.value(records.count, prompt, first)
+        if records.count == 0:
+            raise records.empty("a table with no rows")
         data.files += 1
         data.records += records.count
         data.capped = data.capped or records.count >= cap
@@ -439,41 +560,39 @@ def _check_folder(flag, spec, data_dir, split, split_flag, args, data: _Data, no
 
 def _loader_files(flag, spec, data_dir, split, split_flag, walked: List[str], notices: List[str]) -> List[str]:
     """The files of a folder that upstream's loader reads: ``load_dataset(folder, data_dir=...)`` (blending_datasets),
-    whose module factory picks ONE format, the folder's most common extension (datasets' load.py:
-    infer_module_for_data_files_list), and assigns files to splits by name (train/test/validation...), of which
-    upstream keeps --data.prompt_split. A data file of another format would be skipped without a word and
-    pre-flight would count prompts never trained: refused, naming the files and the fix; files of
-    other splits are a notice (HF's naming convention), and not counted."""
-    from datasets.load import LocalDatasetModuleFactory
+    which picks ONE format, the folder's most common extension, and assigns files to splits by name
+    (train/test/validation...), of which upstream keeps --data.prompt_split. Asked of datasets itself
+    (``load_dataset_builder``: the builder it picks and its config's data files, nothing read). A data file of
+    another format would be skipped without a word and pre-flight would count prompts never trained: refused, naming
+    the files and the fix; files of other splits are a notice (HF's naming convention), and not counted."""
+    import datasets
 
     try:
-        module = LocalDatasetModuleFactory(spec, data_dir=data_dir).get_module()
+        with _datasets_quiet():
+            builder = datasets.load_dataset_builder(spec, data_dir=data_dir)
     except Exception as e:
         raise ConfigError(
             f"{flag} {spec}: datasets cannot load the folder as upstream does ({first_line(e)})."
         ) from None
-    params = module.builder_configs_parameters
-    configs = {c.name: c for c in params.builder_configs}
-    config_ = configs.get(params.default_config_name) or params.builder_configs[0]
-    splits = {str(name): [os.path.realpath(f) for f in files] for name, files in (config_.data_files or {}).items()}
-    fmt = module.module_path.split(".")[-1]  # datasets.packaged_modules.json.json -> json
+    data_files = builder.config.data_files or {}
+    splits = {str(name): [os.path.realpath(f) for f in files] for name, files in data_files.items()}
+    fmt = builder.name  # "json", "csv", ...
     base = os.path.join(spec, data_dir) if data_dir else spec
 
     def names(paths) -> str:
         shown = [os.path.relpath(p, os.path.realpath(base)) for p in sorted(paths)]
         return ", ".join(shown[:6]) + (f" and {len(shown) - 6} more" if len(shown) > 6 else "")
 
-    from datasets.packaged_modules import _MODULE_TO_EXTENSIONS
-
     every = {f for files in splits.values() for f in files}
     skipped = [f for f in map(os.path.realpath, walked) if f not in every]
-    of_format = set(_MODULE_TO_EXTENSIONS.get(fmt, []))
+    of_format = {ext for ext, builder_name in BUILDERS.items() if builder_name == fmt}
     same_format = [f for f in skipped if os.path.splitext(f)[1].lower() in of_format]  # hidden folders, say
     skipped = [f for f in skipped if f not in same_format]
     if same_format:
         notices.append(f"{flag} {spec}: datasets' loader does not read {names(same_format)} (not counted).")
     read = splits.get(split, [])
-    unchecked = sorted({os.path.splitext(f)[1].lower() for f in read} - set(_FILE_CHECKS))
+    checked = {ext for ext, builder_name in BUILDERS.items() if builder_name in _FILE_CHECKS}
+    unchecked = sorted({os.path.splitext(f)[1].lower() for f in read} - checked)
     if skipped or unchecked:
         present = sorted(set(map(os.path.realpath, walked)) | set(read))
         exts = collections.Counter(os.path.splitext(f)[1].lower() for f in present)
