@@ -156,3 +156,34 @@ def test_a_learning_rate_wobble_is_drawn_at_its_true_scale():
     low, high = ax.get_ylim()
     assert low == 0.0 and high == pytest.approx(1.1 * lr)
     assert (lr - lr * 0.9995) / (high - low) < 0.001  # the wobble spans under 0.1 % of the panel's height
+
+
+def _ylim(panel_title: str, scalars) -> tuple:
+    from matplotlib.figure import Figure
+
+    panel = next(p for f in plots.FIGURES for p in plots.present_panels(scalars, f) if p.title == panel_title)
+    ax = Figure().subplots()
+    plots.draw_panel(ax, scalars, panel)
+    return ax.get_ylim()
+
+
+def test_a_wobble_near_a_reference_is_drawn_at_its_true_scale():
+    """Every autoscaled panel spans at least 10 % of its values' magnitude: a mean IS weight wobbling by 0.05 % around
+    its on-policy value 1 (or a constant lag with a rounding wobble) is a flat line, not a full-height swing."""
+    wobble = {"train/tis/mean_weight": [(s, 0.9995 if s % 2 else 1.0) for s in range(1, 11)]}
+    low, high = _ylim("IS weight per step", wobble)
+    assert low < 0.9995 and high > 1.0
+    assert 0.0005 / (high - low) < 0.01  # under 1 % of the panel's height
+    assert 0.1 <= high - low <= 0.12  # and no wider than it needs: 10 % of 1, plus margins
+    lag = {"train/version_lag/mean": [(s, 1.0 + (1e-7 if s % 2 else 0.0)) for s in range(1, 11)]}
+    low, high = _ylim("lag per token", lag)
+    assert 1e-7 / (high - low) < 0.01
+
+
+def test_a_real_change_keeps_matplotlibs_scale():
+    # reward 0.1 -> 0.9: far more than 10 % of its magnitude, autoscaled as before (the data fill the panel)
+    rising = {"train/reward": [(s, 0.1 + 0.08 * (s - 1)) for s in range(1, 11)]}
+    low, high = _ylim("reward per training step", rising)
+    assert 0.1 - low < 0.1 and high - 0.82 < 0.1
+    assert plots.min_span_ylim([0.1, 0.82]) is None
+    assert plots.min_span_ylim([0.0, 0.0]) is None and plots.min_span_ylim([float("nan")]) is None

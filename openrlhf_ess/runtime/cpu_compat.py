@@ -34,6 +34,8 @@ import types
 from dataclasses import dataclass
 from typing import Callable, Dict, List
 
+from openrlhf_ess.runtime import quiet
+
 _APPLIED = False
 
 
@@ -462,15 +464,23 @@ PATCHES: List[Patch] = [
 
 
 def apply() -> None:
-    """Apply every patch, once per process, each as its module is imported (:func:`after_import`). Does nothing
-    (and imports nothing) when the run uses CUDA."""
+    """Apply every patch, once per process, each as its module is imported (:func:`after_import`), and the filters
+    of :mod:`openrlhf_ess.runtime.quiet`. When the run uses CUDA: the filters that hold on GPUs too, and nothing
+    else (no patch, no import)."""
     global _APPLIED
     if _APPLIED:
         return
     _APPLIED = True
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    if cuda_available():
+    cpu = not cuda_available()
+    quiet.install(cpu, after_import)  # third-party noise, each message by its exact text (quiet.py)
+    if not cpu:
         return
+    if os.environ.get(DEVICE_ENV, "").strip().lower() == "cpu":
+        # The run's decision (Ray workers, and the vLLM processes they start, inherit it): DeepSpeed need not guess
+        # and warn "Setting accelerator to CPU" in each. Not on the driver before it has decided: it may yet
+        # decide CUDA for a cluster, and it forwards this variable to every worker.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # The shim must come before anything imports openrlhf.models.
     _install_flash_attn_shim()
     for patch in PATCHES:

@@ -1,4 +1,4 @@
-"""Ray's ``worker_process_setup_hook`` for every run of the CLI (``cli/train_ppo_ray.py::_runtime_env``).
+"""Ray's ``worker_process_setup_hook`` for every run of the CLI (``cli/ray_start.py::runtime_env``).
 
 The hook runs in each Ray worker process at start-up, **before** Ray sets the ``CUDA_VISIBLE_DEVICES`` of the
 actor that the process will host. Anything that initialises CUDA here (``torch.cuda.is_available()``,

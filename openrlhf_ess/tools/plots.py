@@ -18,6 +18,7 @@ with a line on stdout; a panel none of whose tags were logged is left out of its
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ from openrlhf_ess.tools.summary import read_scalars
 
 Scalars = Dict[str, List[Tuple[int, float]]]
 LINESTYLES = ("-", "--", "-.", ":")
+# An autoscaled y axis spans at least this fraction of its largest |value|: a 0.05 % wobble of a weight near 1 is
+# a flat line at 1, not a full-height swing; a change of 10 % or more is drawn as matplotlib scales it.
+MIN_REL_SPAN = 0.1
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,21 @@ def align(series: Sequence[List[Tuple[int, float]]]) -> Tuple[List[int], List[Li
     return steps, [[d[s] for s in steps] for d in by_step]
 
 
+def min_span_ylim(values: Sequence[float], rel_span: float = MIN_REL_SPAN) -> Optional[Tuple[float, float]]:
+    """Y limits centred on ``values`` that span ``rel_span`` of their largest |value| (plus matplotlib's 5 %
+    margins) when the values themselves span less; None (autoscale) otherwise, or without a scale (all 0, none
+    finite)."""
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return None
+    low, high = min(finite), max(finite)
+    span = rel_span * max(abs(low), abs(high))
+    if span == 0 or high - low >= span:
+        return None
+    middle = (low + high) / 2
+    return middle - 0.55 * span, middle + 0.55 * span
+
+
 def draw_panel(ax, scalars: Scalars, panel: Panel) -> None:
     """Draw one panel on a matplotlib Axes: lines (markers when there are few points) or a stacked area."""
     tags = [tag for tag, _ in panel.series]
@@ -207,6 +226,11 @@ def draw_panel(ax, scalars: Scalars, panel: Panel) -> None:
     elif panel.from_zero:
         top = max(max(v for _, v in scalars[tag]) for tag in tags)
         ax.set_ylim(0.0, top * 1.1 if top > 0 else 1.0)
+    else:
+        shown = [v for tag in tags for _, v in scalars[tag]] + ([panel.hline[0]] if panel.hline else [])
+        ylim = min_span_ylim(shown)
+        if ylim is not None:
+            ax.set_ylim(*ylim)
     ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
     ax.set_title(panel.title)
     ax.set_ylabel(panel.ylabel)
