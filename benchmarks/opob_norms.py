@@ -11,6 +11,8 @@ model, then
 - ‖g_i^W‖² by the package's hook (the forward with it, against the forward without);
 - ‖g_i‖² over all parameters (embeddings, norms, attention, MLP and the head) by one backward per trajectory
   (autograd), and its head part, which must equal the hook's (a check, printed);
+- ‖g_i‖² over all parameters by the package's ``--algo.advantage.opob_norm full`` (one forward with autograd and
+  one backward for the whole batch, no parameter gradient), which must equal autograd's (a check, printed);
 - b* with each norm (w = 1: the norms alone decide the difference), against the plain group mean.
 
 Printed per seed, every seed shown: the head's share of ‖g‖², the within-group correlation of the two norms, the
@@ -62,6 +64,14 @@ def one_seed(world: dict, seed: int, prompts: int, n: int, max_new_tokens: int) 
     t_full = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     full = torch.tensor(full, dtype=torch.float64)
+    t0 = time.perf_counter()
+    tiny.log_probs(r).sum().backward()  # a training step's forward and backward over the batch, for scale
+    t_step = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    ours = opob.model_sq_grad_norms(model, lambda: tiny.log_probs(r).sum(-1))  # one forward + one backward
+    t_ours = time.perf_counter() - t0
+    check_full = ((ours - full).abs() / full).max()
     check = (head - torch.tensor(head_autograd, dtype=torch.float64)).abs().max() / head.abs().max()
 
     ones = torch.ones_like(full)
@@ -86,7 +96,10 @@ def one_seed(world: dict, seed: int, prompts: int, n: int, max_new_tokens: int) 
         "t_forward": t_forward,
         "t_head": t_head,
         "t_full": t_full,
+        "t_ours": t_ours,
+        "t_step": t_step,
         "hook_vs_autograd": check.item(),
+        "full_vs_autograd": check_full.item(),
     }
 
 
@@ -106,8 +119,10 @@ def main() -> None:
     lines = [
         "| seed | samples | head share of ‖g‖² | within-group corr(‖g^W‖, ‖g‖) | mean \\|b*_head − b*_full\\| | "
         "mean \\|b*_full − mean\\| | mean \\|b*_head − mean\\| | forward (s) | forward + head norms (s) | "
-        "per-trajectory backward, full norms (s) | hook vs autograd (rel) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "per-trajectory backward, full norms (s) | package's full norms, one pass (s) | "
+        "forward + backward over the batch (s) | head hook vs autograd (rel) "
+        "| full norms vs autograd (rel) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as root:
         world = build_world(os.path.join(root, "world"))
@@ -116,7 +131,8 @@ def main() -> None:
             lines.append(
                 f"| {s['seed']} | {s['samples']} | {s['head_share']:.2f} | {s['corr']:.2f} | {s['b_gap']:.4f} | "
                 f"{s['b_full_vs_mean']:.4f} | {s['b_head_vs_mean']:.4f} | {s['t_forward']:.3f} | {s['t_head']:.3f} | "
-                f"{s['t_full']:.3f} | {s['hook_vs_autograd']:.1e} |"
+                f"{s['t_full']:.3f} | {s['t_ours']:.3f} | {s['t_step']:.3f} | "
+                f"{s['hook_vs_autograd']:.1e} | {s['full_vs_autograd']:.1e} |"
             )
             print(lines[-1], flush=True)
     from benchmarks.common import write_table

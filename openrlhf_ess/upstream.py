@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import ast
 import builtins
+import contextlib
 import functools
 import importlib
 import inspect
 import types
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 PINNED_OPENRLHF = "0.11.2"
 UPSTREAM_CLI = "openrlhf.cli.train_ppo_ray"
@@ -295,3 +296,22 @@ def save_model_barrier() -> None:
     from openrlhf.utils.distributed_util import torch_dist_barrier_and_cuda_sync
 
     torch_dist_barrier_and_cuda_sync()
+
+
+@contextlib.contextmanager
+def actor_past_its_engine(actor: Any) -> Iterator[Any]:
+    """Within the block, upstream's ``Actor`` forwards through the module its DeepSpeed engine wraps, not the engine:
+    a backward of that forward is then not a training backward to DeepSpeed (no gradient reduction, no epilogue, no
+    step state), while ZeRO-3 still gathers each layer's parameters through its module hooks. Yields the actor."""
+    import torch
+
+    engine = actor.model
+    inner = getattr(engine, "module", None)
+    if not isinstance(inner, torch.nn.Module):
+        yield actor
+        return
+    actor.model = inner
+    try:
+        yield actor
+    finally:
+        actor.model = engine

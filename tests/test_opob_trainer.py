@@ -242,3 +242,19 @@ def test_the_hook_scores_the_actions_before_the_temperature_is_applied():
     expected = maths.lm_head_sq_grad_norms(captured["h"][:, -5:-1], captured["z"][:, -5:-1], seq[:, -4:], mask, 0.7)
     assert len(out) == 1
     torch.testing.assert_close(out[0], expected)
+
+
+def test_bypass_weighs_the_baseline_by_the_current_weights_log_probs():
+    """--algo.prox_mode bypass: the experience's π_prox is μ, so without θ's log-probs every weight would be 1; with
+    them the trajectory ratio is exp(Σ_t m_t (log π_θ − log μ)), written out here."""
+    mu = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -4.0]])
+    theta = torch.tensor([[-0.8, -2.5, -0.5], [-0.2, -0.1, -9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    exp = types.SimpleNamespace(action_log_probs=mu.clone(), rollout_log_probs=mu, action_mask=mask)
+    algo = types.SimpleNamespace(
+        advantage=types.SimpleNamespace(opob_weight="seq_product"), tis_cap=None, tis_level="token"
+    )
+    want = [(-0.8 + 1.0) + (-2.5 + 2.0), (-0.2 + 0.3) + (-0.1 + 0.7) + (-9.0 + 4.0)]
+    assert opob.sequence_log_weights(exp, algo).tolist() == [0.0, 0.0]
+    got = opob.sequence_log_weights(exp, algo, theta)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)

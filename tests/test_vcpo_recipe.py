@@ -42,6 +42,7 @@ def test_vcpo_enable_is_the_reference_recipe(tiny_world):
         assert getattr(args.algo, name) == value, name
     assert args.algo.advantage.baseline == "opob"  # grad_baselining=True
     assert args.algo.advantage.opob_weight == "seq_product"  # grad_baselining_use_clipped_is_ratios=False
+    assert args.algo.advantage.opob_norm == "full"  # ‖g_i‖ of every parameter (update_policy_per_traj)
     assert args.algo.advantage.estimator == "group_norm"  # adv_estimator=grpo, grad_baselining_norm_by_std=True
     assert tuple(args.actor.eps_clip_low_high) == (1.0, 1e9)  # clip_ratio_low=1.0, clip_ratio_high=1e9
     assert args.actor.dual_clip is None  # clip_ratio_c=1e9: no dual clip
@@ -97,7 +98,7 @@ def test_without_the_flag_nothing_changes(tiny_world):
     "extra,named,fix",
     [
         (["--algo.advantage.estimator", "gae"], "--algo.vcpo_enable", "--algo.advantage.baseline estimator"),
-        (["--algo.prox_mode", "bypass"], "--algo.vcpo_enable", "--algo.prox_mode recompute"),
+        (["--ds.packing_samples"], "--algo.vcpo_enable", "Drop those flags"),
         (
             ["--algo.advantage.baseline", "opob", "--algo.advantage.estimator", "gae"],
             "--algo.advantage.baseline opob",
@@ -163,3 +164,34 @@ def test_the_recipe_trains_through_the_cli(tiny_world, tmp_path):
     assert all(0 <= v <= 1 for _, v in tb["train/opob/baseline"])  # digit-fraction rewards are in [0, 1]
     assert all(v > 0 for _, v in tb["train/opob/grad_norm_mean"])
     assert len(tb["train/policy_loss"]) == steps and all(abs(v) < 1e3 for _, v in tb["train/policy_loss"])
+
+
+@pytest.mark.stack
+def test_the_baseline_under_bypass_with_whole_model_norms_trains_through_the_cli(tiny_world, tmp_path):
+    """π_prox = μ (--algo.prox_mode bypass) with the optimal baseline over every parameter's norm, async with
+    partial rollouts: the actor's make-experience forward runs for the norms alone (π_prox stays μ: no recompute
+    forward counted), and every step logs a baseline inside the rewards' range from positive, unequal norms."""
+    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
+
+    run_dir = str(tmp_path)
+    args = tiny_args(tiny_world, run_dir, steps_prompts=16)
+    at = args.index("--algo.advantage.estimator")
+    args[at + 1] = "group_norm"
+    flags = [
+        "--train.async_enable",
+        "--train.partial_rollout_enable",
+        "--algo.prox_mode",
+        "bypass",
+        "--algo.advantage.baseline",
+        "opob",
+        "--algo.advantage.opob_norm",
+        "full",
+    ]
+    rc, log = run_cli(args + flags, run_dir)
+    assert rc == 0, log[-5000:]
+    tb = read_tensorboard(run_dir)
+    assert len(tb["train/opob/baseline"]) == 2
+    assert all(0 <= v <= 1 for _, v in tb["train/opob/baseline"])  # digit-fraction rewards are in [0, 1]
+    assert all(v > 0 for _, v in tb["train/opob/grad_norm_mean"])
+    assert all(v > 0 for _, v in tb["train/opob/grad_norm_rel_spread"])
+    assert all(v == 0 for _, v in tb["train/prox/recompute_forwards"])

@@ -96,7 +96,8 @@ def lm_head_sq_grad_norms(
 
     - ``gram``: (1/τ²) Σ_{t,s} m_t m_s (a_t·a_s)(h_t·h_s) from A × A matrices: A²·V multiply-adds for p_t·p_s.
     - ``direct``: the gradient itself, (1/τ) Σ_t m_t a_t h_tᵀ, one block of C vocabulary rows at a time (C × H),
-      squared and summed: A·V·H multiply-adds, the cost of the LM head's own forward.
+      squared and summed: A·V·H multiply-adds, the cost of the LM head's own forward (its product in
+      :func:`product_dtype`).
     - ``auto`` (default): ``gram`` when A ≤ H, else ``direct``, i.e. min(A²·V, A·V·H).
 
     Args:
@@ -113,6 +114,7 @@ def lm_head_sq_grad_norms(
     if method not in NORM_METHODS:
         raise ValueError(f"unknown norm method {method!r}; expected one of {NORM_METHODS}")
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    mm = product_dtype(hidden, dtype)
     vocab, n_actions, width = logits.shape[-1], logits.shape[1], hidden.shape[-1]
     direct = method == "direct" or (method == "auto" and n_actions > width)
     out = []
@@ -129,13 +131,13 @@ def lm_head_sq_grad_norms(
         lse = (top + torch.log(total))[:, None]  # (A, 1)
         h = hidden[b].to(dtype)
         if direct:
-            hm = h * m[:, None]  # m_t h_t
+            hm = (h * m[:, None]).to(mm)  # m_t h_t
             sq = torch.zeros((), dtype=dtype, device=z.device)
             for c in range(0, vocab, vocab_chunk):
                 a = -torch.exp(block(c) - lse)  # a_t = e_{y_t} − p_t on this block's columns
                 inside = (y >= c) & (y < c + a.shape[1])
                 a[inside.nonzero()[:, 0], y[inside] - c] += 1
-                grad = a.T @ hm  # (C, H): this block's rows of Σ_t m_t a_t h_tᵀ
+                grad = (a.to(mm).T @ hm).to(dtype)  # (C, H): this block's rows of Σ_t m_t a_t h_tᵀ
                 sq += torch.dot(grad.reshape(-1), grad.reshape(-1))
             out.append(sq / temperature**2)
             continue
@@ -148,6 +150,101 @@ def lm_head_sq_grad_norms(
         aa = (same - q - q.T + pp) * (h @ h.T)
         out.append((m @ aa @ m) / temperature**2)
     return torch.stack(out).float() if dtype == torch.float32 else torch.stack(out)
+
+
+def product_dtype(activations: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the ghost norms' matrix products: on CUDA a bf16/fp16 model's own (tensor cores, fp32
+    accumulation, as its training step's products), else ``dtype``; the squares are summed in ``dtype``."""
+    low = activations.dtype in (torch.bfloat16, torch.float16) and activations.is_cuda
+    return activations.dtype if low else dtype
+
+
+def linear_sq_grad_norms(x: torch.Tensor, g: torch.Tensor, bias: bool, block_bytes: int = 64 << 20) -> torch.Tensor:
+    r"""Per-row ‖∇_W‖²_F (+ ‖∇_b‖²) of a linear layer y_t = W x_t + b from its inputs and output gradients
+    (ghost norms, Goodfellow 2015): ∇_W = Σ_t g_t x_tᵀ, ∇_b = Σ_t g_t, per sample. The cheaper exact way per row
+    of T positions: ``gram`` Σ_{t,s} (g_t·g_s)(x_t·x_s), T²(d_in + d_out) multiply-adds and two T × T matrices, when
+    T(d_in + d_out) ≤ d_in·d_out; else the gradient itself in blocks of output rows (≤ ``block_bytes`` each),
+    T·d_in·d_out. The products run in :func:`product_dtype`.
+
+    Args:
+        x: (B, T, d_in) the layer's inputs; g: (B, T, d_out) ∂L/∂y for L = Σ_i (row i's objective).
+    Returns:
+        (B,) fp32 (fp64 when either input is fp64).
+    """
+    dtype = torch.float64 if torch.float64 in (x.dtype, g.dtype) else torch.float32
+    mm = product_dtype(x, dtype)
+    t, d_in, d_out = x.shape[1], x.shape[-1], g.shape[-1]
+    rows = max(1, block_bytes // (d_in * torch.finfo(dtype).bits // 8))
+    out = []
+    for b in range(x.shape[0]):
+        xb, gb = x[b].to(mm), g[b].to(mm)
+        if t * (d_in + d_out) <= d_in * d_out:
+            sq = ((gb @ gb.T).to(dtype) * (xb @ xb.T).to(dtype)).sum()
+        else:
+            sq = torch.zeros((), dtype=dtype, device=xb.device)
+            for c in range(0, d_out, rows):
+                grad = (gb[:, c : c + rows].T @ xb).to(dtype)  # (rows, d_in): these rows of Σ_t g_t x_tᵀ
+                sq += torch.dot(grad.reshape(-1), grad.reshape(-1))
+        if bias:
+            s = g[b].to(dtype).sum(0)
+            sq = sq + s @ s
+        out.append(sq)
+    return torch.stack(out)
+
+
+def embedding_sq_grad_norms(ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    r"""Per-row ‖∇_E‖²_F of an embedding lookup e_t = E[x_t]: ∇_E = Σ_t e_{x_t} g_tᵀ has one nonzero row per
+    distinct token, the sum of its positions' g_t. O(T·H) per row (no T × T or V × H matrix).
+
+    Args:
+        ids: (B, T) token ids; g: (B, T, H) ∂L/∂e_t.
+    Returns:
+        (B,) fp32 (fp64 with fp64 g).
+    """
+    dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    out = []
+    for b in range(ids.shape[0]):
+        uniq, inv = ids[b].unique(return_inverse=True)
+        rows = torch.zeros(uniq.shape[0], g.shape[-1], dtype=dtype, device=g.device).index_add_(0, inv, g[b].to(dtype))
+        out.append((rows * rows).sum())
+    return torch.stack(out)
+
+
+def tied_cross_sq_grad_norms(ids: torch.Tensor, g_emb: torch.Tensor, h: torch.Tensor, g_head: torch.Tensor):
+    r"""2⟨∇_E^lookup, ∇_E^head⟩ per row, for a matrix E (V × H) used both as the input embedding (e_s = E[x_s]) and
+    as the LM head (z_t = E h_t), so that ‖∇_E‖² = ‖lookup part‖² + ‖head part‖² + this:
+
+        ⟨Σ_s e_{x_s} g^e_sᵀ, Σ_t g^z_t h_tᵀ⟩ = Σ_{s,t} g^z_t[x_s] (h_t · g^e_s)
+
+    Args:
+        ids: (B, S) input ids; g_emb: (B, S, H) ∂L/∂e_s; h: (B, T, H) the head's inputs; g_head: (B, T, V) ∂L/∂z_t.
+    Returns:
+        (B,) fp32 (fp64 when an input is fp64). T × S memory per row.
+    """
+    dtype = torch.float64 if torch.float64 in (g_emb.dtype, h.dtype, g_head.dtype) else torch.float32
+    out = []
+    for b in range(ids.shape[0]):
+        m = g_head[b][:, ids[b].long()].to(dtype)  # (T, S): g^z_t[x_s]
+        out.append(2 * ((m.T @ h[b].to(dtype)) * g_emb[b].to(dtype)).sum())
+    return torch.stack(out)
+
+
+def scale_sq_grad_norms(normalized: torch.Tensor, g: torch.Tensor, bias: bool) -> torch.Tensor:
+    r"""Per-row ‖∇_w‖² (+ ‖∇_b‖²) of an elementwise affine y_t = w ⊙ x̂_t (+ b), as RMSNorm and LayerNorm end:
+    ∇_w = Σ_t g_t ⊙ x̂_t, ∇_b = Σ_t g_t.
+
+    Args:
+        normalized: (B, T, H) x̂_t, the normalised inputs the weight multiplies; g: (B, T, H) ∂L/∂y_t.
+    Returns:
+        (B,) fp32 (fp64 when an input is fp64).
+    """
+    dtype = torch.float64 if torch.float64 in (normalized.dtype, g.dtype) else torch.float32
+    gw = (g.to(dtype) * normalized.to(dtype)).sum(1)
+    sq = (gw * gw).sum(-1)
+    if bias:
+        gb = g.to(dtype).sum(1)
+        sq = sq + (gb * gb).sum(-1)
+    return sq
 
 
 def opob_shift(upstream_baseline: torch.Tensor, opob_baseline: torch.Tensor, scale: Optional[torch.Tensor] = None):

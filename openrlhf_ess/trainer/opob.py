@@ -2,11 +2,14 @@
 
 Two places, one concern:
 
-- actor ranks (:func:`norms_captured`): during the make-experience forward at the current weights θ, a forward hook
-  on the LM head computes each sample's ‖∇_W log π_θ(τ_i)‖² from the head's own inputs and outputs (ghost-norm
-  identity), before upstream's ``Actor.forward`` divides the logits by the temperature in place. The norms ride
-  back with the log-probs as one extra last column (:func:`with_norms` / :func:`split_norms`), so upstream's
-  result plumbing is untouched and no other call is made.
+- actor ranks: each sample's squared gradient norm at the current weights θ, by ``--algo.advantage.opob_norm``:
+  ``head`` (:func:`norms_captured`): during the make-experience forward, a forward hook on the LM head computes
+  ‖∇_W log π_θ(τ_i)‖² from the head's own inputs and outputs (ghost-norm identity), before upstream's
+  ``Actor.forward`` divides the logits by the temperature in place; ``full`` (:func:`full_norms`): ‖∇_θ log
+  π_θ(τ_i)‖² over every parameter, from one more forward with autograd and one backward that writes no parameter
+  gradient (:func:`model_sq_grad_norms`). The norms ride back with the log-probs as one extra last column
+  (:func:`with_norms` / :func:`split_norms`), so upstream's result plumbing is untouched and no other call is
+  made. In bypass mode that forward runs for the norms alone.
 - controller (:func:`replace_baseline`): the group baseline of upstream's estimator is replaced by
   b* = Σ w²‖g‖²R / Σ w²‖g‖² over each prompt's n samples (the set VCPO defines it on), w_i the IS weight the loss
   applies: min(exp(mean_t log π_prox/μ), C) with ``--algo.tis_cap C``, 1 without one (or without μ).
@@ -18,9 +21,10 @@ Two places, one concern:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 
@@ -52,21 +56,197 @@ def norms_captured(head: torch.nn.Module, sequences, action_mask, temperature: f
         handle.remove()
 
 
+NORM_SCOPES = ("head", "full")
+
+
+def _rms_eps(module: torch.nn.Module) -> Optional[float]:
+    """ε of an RMSNorm of the Llama/Qwen/Mistral form, w ⊙ (x·rsqrt(mean x² + ε)) cast to the input dtype (Gemma's
+    (1 + w) form is not); None for any other module."""
+    name = type(module).__name__
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return eps if name.endswith("RMSNorm") and "Gemma" not in name and isinstance(eps, float) else None
+
+
+def _normalized(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x̂, what the weight of a LayerNorm or an RMSNorm (:func:`_rms_eps`) multiplies."""
+    if isinstance(module, torch.nn.LayerNorm):
+        return torch.nn.functional.layer_norm(x, module.normalized_shape, eps=module.eps)
+    xf = x.to(torch.float32)  # as the module computes it, whatever its dtype (float64 included)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _rms_eps(module))).to(x.dtype)
+
+
+def norm_plan(model: torch.nn.Module) -> List[tuple]:
+    """(module, kind) for every module that owns trainable parameters (kind: linear, embedding, scale), and checks
+    that these cover every trainable parameter: one used by another kind of module, or shared other than as the
+    input embedding and the LM head (tied), is refused with the flag that avoids it."""
+    owners: dict = {}
+    plan = []
+    for module in model.modules():
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if not params:
+            continue
+        names = {n for n, _ in params}
+        if isinstance(module, torch.nn.Linear):
+            kind = "linear"
+        elif isinstance(module, torch.nn.Embedding):
+            kind = "embedding"
+        elif names <= {"weight", "bias"} and (isinstance(module, torch.nn.LayerNorm) or _rms_eps(module) is not None):
+            kind = "scale"
+        else:
+            raise ValueError(
+                "--algo.advantage.opob_norm full covers linear, embedding, RMSNorm and LayerNorm parameters; "
+                f"{type(module).__name__} holds {sorted(names)}, which it cannot take per trajectory. Use "
+                "--algo.advantage.opob_norm head for this model."
+            )
+        plan.append((module, kind))
+        for _, p in params:
+            owners.setdefault(id(p), []).append(kind)
+    for kinds in owners.values():
+        if len(kinds) > 1 and sorted(kinds) != ["embedding", "linear"]:
+            raise ValueError(
+                "--algo.advantage.opob_norm full: a parameter shared by several modules other than a tied input "
+                "embedding and LM head. Use --algo.advantage.opob_norm head for this model."
+            )
+    return plan
+
+
+@contextlib.contextmanager
+def _non_reentrant_checkpoints(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, layers that checkpoint (transformers' ``_gradient_checkpointing_func``) do so without
+    re-entry: a re-entrant checkpoint cannot run under ``torch.autograd.grad``. The same recomputation, the same
+    memory; put back afterwards."""
+    swapped = [
+        (m, m._gradient_checkpointing_func) for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
+    ]
+    for m, _ in swapped:
+        m._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for m, func in swapped:
+            m._gradient_checkpointing_func = func
+
+
+def model_sq_grad_norms(model: torch.nn.Module, score: Callable[[], torch.Tensor]) -> torch.Tensor:
+    r"""‖∇_θ f_i‖² over **every** trainable parameter θ of ``model`` for each row i of ``score()`` (B,) f_i (here
+    f_i = log π_θ(τ_i) = Σ_t m_t log π_θ(y_t | s_t)), from one forward with autograd and one backward that takes
+    no parameter gradient: forward hooks keep each layer's input, hooks on its output take ∂F/∂y for
+    F = Σ_i f_i, and the per-row norm of each parameter's gradient comes from those two (models/opob.py: linear
+    and embedding ghost norms, RMSNorm/LayerNorm scales, a tied embedding's cross term). Rows are independent
+    (a row's activations depend on its own tokens only), so ∂F/∂y restricted to row i is ∂f_i/∂y.
+
+    The backward runs to the input embeddings' outputs only (``torch.autograd.grad``), so no ``.grad`` is written
+    and no optimizer state is touched: ZeRO 0–3 gather parameters for it through their own module hooks, as for
+    any backward. Gradient checkpointing stays on (made non-re-entrant for the pass, which ``autograd.grad``
+    needs): a layer's output that the backward does not reach (a recomputation's) gets no gradient.
+
+    Memory: the forward's activations with autograd, as one
+    training micro-batch of the same rows, plus per layer two T × T fp32 matrices or one ≤ 64 MiB block.
+    """
+    plan = norm_plan(model)
+    tied = {id(m.weight) for m, k in plan if k == "linear"} & {id(m.weight) for m, k in plan if k == "embedding"}
+    total: List[torch.Tensor] = []
+    embedded: List[tuple] = []  # (module, ids, output)
+    head_parts: dict = {}  # id(tied weight) -> (head input, ∂F/∂z)
+
+    def add(sq):
+        total.append(sq.to(torch.float64))
+
+    def on_output(out, fn):
+        if isinstance(out, torch.Tensor) and out.requires_grad:  # a reentrant checkpoint's first pass: no graph
+            out.register_hook(lambda g: add(fn(g)))
+
+    def hook(module, inputs, out, kind):
+        x = inputs[0].detach()
+        if kind == "embedding":
+            if out.requires_grad:
+                embedded.append((module, x, out))
+        elif kind == "linear":
+            bias = module.bias is not None and module.bias.requires_grad
+            if id(module.weight) in tied:
+
+                def fn(g, x=x, w=id(module.weight)):
+                    head_parts[w] = (x, g)
+                    return opob.linear_sq_grad_norms(x, g, bias)
+
+                on_output(out, fn)
+            else:
+                on_output(out, lambda g: opob.linear_sq_grad_norms(x, g, bias))
+        else:
+            xhat = _normalized(module, x)
+            bias = getattr(module, "bias", None) is not None and module.bias.requires_grad
+            on_output(out, lambda g: opob.scale_sq_grad_norms(xhat, g, bias))
+
+    handles = [m.register_forward_hook(functools.partial(hook, kind=k)) for m, k in plan]
+    try:
+        with torch.enable_grad(), _non_reentrant_checkpoints(model):
+            f = score()
+            if not embedded:
+                raise ValueError("--algo.advantage.opob_norm full: the model's forward used no trainable embedding")
+            grads = torch.autograd.grad(f.sum(), [out for _, _, out in embedded])
+    finally:
+        for h in handles:
+            h.remove()
+    for (module, ids, _), g in zip(embedded, grads):
+        if module.padding_idx is not None:  # the padding row gets no gradient from a lookup (nn.Embedding)
+            g = g.masked_fill((ids == module.padding_idx)[..., None], 0)
+        add(opob.embedding_sq_grad_norms(ids, g))
+        if id(module.weight) in head_parts:
+            h, gz = head_parts[id(module.weight)]
+            add(opob.tied_cross_sq_grad_norms(ids, g, h, gz))
+    return torch.stack(total).sum(0)
+
+
+def full_norms(actor, sequences, action_mask, attention_mask, rows: Optional[int] = None) -> torch.Tensor:
+    """(B,) ‖∇_θ log π_θ(τ_i)‖² over all of the actor's parameters (``--algo.advantage.opob_norm full``), at the
+    actor's current weights, ``rows`` trajectories per pass (default: the whole micro-batch in one pass, so every
+    rank makes one pass per forward call and ZeRO-3's parameter gathers stay matched across ranks). ``actor``:
+    upstream's ``Actor`` (its forward gives the action log-probs at its temperature), in
+    training mode as for a training step: its gradient checkpointing bounds the pass's memory."""
+    from openrlhf_ess import upstream
+    from openrlhf_ess.trainer import prox
+
+    model = prox.causal_lm(actor.model)
+    was_training = actor.training
+    actor.train()
+    out = []
+    rows = rows or sequences.shape[0]
+    for start in range(0, sequences.shape[0], rows):
+        part = slice(start, start + rows)
+        mask = action_mask[part]
+
+        def score(part=part, mask=mask):
+            log_probs = actor(sequences[part], mask, attention_mask[part])
+            return (log_probs * mask.to(log_probs.dtype)).sum(-1)
+
+        with upstream.actor_past_its_engine(actor):
+            out.append(model_sq_grad_norms(model, score))
+    actor.train(was_training)
+    return torch.cat(out).float().cpu()
+
+
 def with_norms(log_probs: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
     """(B, A) log-probs and (B,) norms -> (B, A + 1): what the actor's forward returns with OPOB on."""
     return torch.cat([log_probs, sq_norms.to(log_probs.dtype)[:, None]], dim=1)
+
+
+def first_copies(per_actor: list, duplicate_factor: int) -> List[torch.Tensor]:
+    """The actor group's per-micro-batch results flattened in upstream's order, ring / TP copies once."""
+    return list(itertools.chain.from_iterable(per_actor[::duplicate_factor]))
 
 
 def split_norms(per_actor: list, duplicate_factor: int):
     """The actor group's forward results (one list of (B, A + 1) tensors per actor) -> the same structure with the
     last column removed, and the norms of each micro-batch in upstream's flattened order (ring / TP copies once)."""
     stripped = [[t[:, :-1] for t in results] for results in per_actor]
-    norms = [t[:, -1].float() for t in itertools.chain.from_iterable(per_actor[::duplicate_factor])]
+    norms = [t[:, -1].float() for t in first_copies(per_actor, duplicate_factor)]
     return stripped, norms
 
 
-def sequence_log_weights(exp, algo) -> torch.Tensor:
-    """(B,) float64 log of each sample's weight in b* (``--algo.advantage.opob_weight``):
+def sequence_log_weights(exp, algo, theta_log_probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B,) float64 log of each sample's weight in b* (``--algo.advantage.opob_weight``), π_prox below being
+    ``theta_log_probs`` where given (``--algo.prox_mode bypass``: the loss's ratio π_θ/μ weighs the gradient there,
+    θ the current weights, so b* is the one the same batch gets in recompute mode):
 
     - ``tis``: w_i = the weight the loss applies, a sequence summary of it at the token level: min(w_i, C) with
       ``--algo.tis_cap C``, w_i = exp(Σ_t log π_prox/μ) at ``--algo.tis_level seq_product``, else the
@@ -85,7 +265,8 @@ def sequence_log_weights(exp, algo) -> torch.Tensor:
     kind = algo.advantage.opob_weight
     if exp.rollout_log_probs is None or (kind == "tis" and algo.tis_cap is None):
         return torch.zeros(exp.action_mask.shape[0], dtype=torch.float64)
-    args = (exp.action_log_probs, exp.rollout_log_probs, exp.action_mask)
+    prox = exp.action_log_probs if theta_log_probs is None else theta_log_probs.to(exp.action_log_probs)
+    args = (prox, exp.rollout_log_probs, exp.action_mask)
     sequence_loss_weight = algo.tis_level in corrections.SEQUENCE_TIS_LEVELS and algo.tis_cap is not None
     if kind == "tis":
         form = "seq_product" if algo.tis_level == "seq_product" else algo.ess_lr_weight
@@ -116,9 +297,12 @@ def _back_to_experiences(experiences, values: torch.Tensor) -> List[torch.Tensor
     return list(values[indices].split([len(exp.index) for exp in experiences]))
 
 
-def replace_baseline(maker, experiences, upstream_compute, sq_norms: Optional[List[torch.Tensor]]):
+def replace_baseline(
+    maker, experiences, upstream_compute, sq_norms: Optional[List[torch.Tensor]], theta: Optional[list] = None
+):
     """Upstream's ``compute_advantages_and_returns`` with its group baseline replaced by b* (module docstring).
-    Returns the experiences and the batch's metrics."""
+    ``theta``: per experience, θ's log-probs for the weights (bypass mode). Returns the experiences and the
+    batch's metrics."""
     args = maker.strategy.args
     algo, n = args.algo, args.rollout.n_samples_per_prompt
     if sq_norms is None or len(sq_norms) != len(experiences):
@@ -126,7 +310,8 @@ def replace_baseline(maker, experiences, upstream_compute, sq_norms: Optional[Li
             "--algo.advantage.baseline opob: the actor's forward returned no gradient norms for this batch "
             f"({0 if sq_norms is None else len(sq_norms)} of {len(experiences)} micro-batches); this is a bug."
         )
-    log_weights = _in_prompt_order(experiences, [sequence_log_weights(exp, algo) for exp in experiences])
+    theta = theta if theta is not None else [None] * len(experiences)
+    log_weights = _in_prompt_order(experiences, [sequence_log_weights(e, algo, t) for e, t in zip(experiences, theta)])
     weights = log_weights.exp()  # for the metrics only: b* is computed from the logs
     norms = _in_prompt_order(experiences, sq_norms)
     estimator = algo.advantage.estimator

@@ -43,6 +43,7 @@ UNITS = {
     "7": ("7", "tests/gpu/test_7_memory.py", None, 120),
     "8": ("8", "tests/gpu/test_8_mask_scoring.py", None, 300),
     "9": ("9", "tests/gpu/test_9_routing_replay.py", None, 240),
+    "10": ("10", "tests/gpu/test_10_opob_full_norm.py", None, 240),
 }
 LOG_SEPARATOR = "=" * 100
 ALL_CHECKS = ",".join(dict.fromkeys(num for num, _, _, _ in UNITS.values()))

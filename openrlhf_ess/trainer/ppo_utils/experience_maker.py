@@ -35,6 +35,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         ours.prox_store = ours.consumed = None  # set by the controller in interrupt / dedicated modes
         ours._samples_in_flight, ours._actor_forwards = None, 0
         ours._opob_norms = None  # --algo.advantage.baseline opob: per micro-batch (B,) norms of the last forward
+        ours._opob_theta = None  # ... and, in bypass mode, that forward's log-probs (B, A) at θ
         return ours
 
     def split_rollout_samples(self, rollout_samples):
@@ -65,11 +66,13 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         bypass mode (π_prox = μ): the actor's old-log-prob forward is not dispatched at all; upstream's
         ``make_experience`` gets, where it expects that forward's results, each micro-batch's μ in the same
         layout (a one-tensor list per micro-batch, repeated for ring-attention / tensor-parallel copies), and
-        computes the KL, rewards and advantages from it unchanged.
+        computes the KL, rewards and advantages from it unchanged. With --algo.advantage.baseline opob the actor's
+        forward still runs, for θ's per-sample gradient norms alone (its log-probs are dropped: π_prox = μ).
         """
-        if group is self.actor_model_group:
-            if self.args.algo.prox_mode == BYPASS_PROX_MODE:
-                return ray.put(bypass_prox_results(self._samples_in_flight, self._duplicate_factor()))
+        bypass = group is self.actor_model_group and self.args.algo.prox_mode == BYPASS_PROX_MODE
+        if bypass and not opob_on(self.args):
+            return ray.put(bypass_prox_results(self._samples_in_flight, self._duplicate_factor()))
+        if group is self.actor_model_group and not bypass:
             self._actor_forwards += 1
         if group is self.actor_model_group and self.args.algo.prox_mode in ("snapshot", "ewma"):
             kwargs["rollout_versions"] = [s.rollout_versions for s in self._samples_in_flight]
@@ -83,6 +86,9 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         if group is self.actor_model_group and opob_on(self.args):
             # the actor's forward appended θ's per-sample gradient norms as a last column (trainer/opob.py)
             stripped, self._opob_norms = opob.split_norms(ray.get(refs), self._duplicate_factor())
+            if bypass:  # θ's log-probs weigh b* as the bypass loss weighs the gradient (π_θ/μ)
+                self._opob_theta = opob.first_copies(stripped, self._duplicate_factor())
+                return ray.put(bypass_prox_results(self._samples_in_flight, self._duplicate_factor()))
             refs = [ray.put(results) for results in stripped]
         return refs
 
@@ -92,9 +98,9 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         if not opob_on(self.args):
             return super().compute_advantages_and_returns(experiences)
         experiences, metrics = opob.replace_baseline(
-            self, experiences, super().compute_advantages_and_returns, self._opob_norms
+            self, experiences, super().compute_advantages_and_returns, self._opob_norms, self._opob_theta
         )
-        self._opob_norms = None
+        self._opob_norms = self._opob_theta = None
         self.last_metrics.update(metrics)
         return experiences
 

@@ -307,6 +307,11 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
             self._opob_norms(sequences, action_mask) as norms,
         ):
             current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
+            if self._opob_full():  # one forward with autograd and one backward, no parameter gradient (opob.py)
+                device = torch.cuda.current_device()
+                norms = [
+                    opob.full_norms(self.actor, *(t.to(device) for t in (sequences, action_mask, attention_mask)))
+                ]
             if rollout_versions is not None:
 
                 def forward_again():
@@ -315,12 +320,16 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
                     )
 
                 current = self.trainer.proximal_log_probs(current, rollout_versions, forward_again)
-        # --algo.advantage.baseline opob: θ's per-sample LM-head gradient norms ride as one last column (opob.py)
+        # --algo.advantage.baseline opob: θ's per-sample gradient norms ride as one last column (opob.py)
         return current if norms is None else opob.with_norms(current, norms[0])
 
+    def _opob_full(self) -> bool:
+        return config.opob_on(self.strategy.args) and self.strategy.args.algo.advantage.opob_norm == "full"
+
     def _opob_norms(self, sequences, action_mask):
-        """--algo.advantage.baseline opob: capture the norms in this forward (``trainer/opob.py``); else nothing."""
-        if not config.opob_on(self.strategy.args):
+        """--algo.advantage.baseline opob: capture the LM head's norms in this forward (``trainer/opob.py``); else
+        (off, or the whole model's norms, taken after it) nothing."""
+        if not config.opob_on(self.strategy.args) or self._opob_full():
             return contextlib.nullcontext()
         head = prox.output_head(prox.causal_lm(self.actor.model))
         return opob.norms_captured(head, sequences, action_mask, self.actor.temperature)

@@ -1,0 +1,60 @@
+"""The whole model's per-trajectory gradient norms through a real DeepSpeed actor (upstream's Actor + strategy) in
+one process, then one optimizer step, for tests:
+
+    python -m tests.helpers.opob_full_ds MODEL PROMPTS OUT.json --zero_stage 3 [--no_norms]
+
+Writes the norms (unless ``--no_norms``), the step's loss and a checksum of the parameters after it, so a test
+can compare the norms with autograd on the plain model and the step with one taken without the norm pass.
+"""
+
+import argparse
+import json
+
+from tests.helpers.ds_actor import build_actor, param_checksum, single_process_env
+
+
+def batch():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(4, 60, (3, 14), generator=g)
+    attention_mask = torch.ones_like(seq)
+    attention_mask[1, :4] = 0  # left padding
+    seq[1, :4] = 0
+    action_mask = torch.ones(3, 6, dtype=torch.bool)
+    action_mask[2, -2:] = False
+    return seq, action_mask, attention_mask
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("prompts")
+    parser.add_argument("out")
+    parser.add_argument("--zero_stage", type=int, default=3)
+    parser.add_argument("--no_norms", action="store_true")
+    a = parser.parse_args()
+    single_process_env()
+    from openrlhf_ess.trainer import opob
+
+    strategy, model, optim, scheduler = build_actor(
+        a.model,
+        a.prompts,
+        a.zero_stage,
+        "fp32",
+        train_batch=3,
+        micro_batch=3,
+        extra=["--actor.gradient_checkpointing_enable"],
+    )
+    seq, action_mask, attention_mask = batch()
+    norms = None if a.no_norms else opob.full_norms(model, seq, action_mask, attention_mask).tolist()
+    log_probs = model(seq, action_mask, attention_mask=attention_mask)
+    loss = -(log_probs * action_mask).sum() / action_mask.sum()
+    strategy.backward(loss, model, optim)
+    strategy.optimizer_step(optim, model, scheduler, name="actor")
+    with open(a.out, "w") as f:
+        json.dump({"norms": norms, "loss": loss.item(), "after": param_checksum(model, strategy)}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The whole model's per-trajectory gradient norm (``--algo.advantage.opob_norm full``) against autograd: one
+backward per trajectory over every parameter, summed in float64 (an independent computation: no hook, no ghost
+identity)."""
+
+import pytest
+import torch
+
+from openrlhf_ess.models import opob
+from openrlhf_ess.trainer import opob as trainer_opob
+from tests.helpers.tiny_qwen2 import tiny_qwen2
+
+
+def _batch(vocab, seed=0, rows=3, length=12, actions=5):
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(3, vocab, (rows, length), generator=g)
+    att = torch.ones(rows, length, dtype=torch.long)
+    att[1, :3] = 0  # left padding, as upstream's batches
+    seq[1, :3] = 0
+    am = torch.ones(rows, actions, dtype=torch.bool)
+    am[2, -2:] = False  # a response that ended early
+    return seq, att, am
+
+
+def _log_prob_sums(model, seq, att, am, temperature):
+    """Σ_t m_t log softmax(z_t/τ)[y_t] per row, written here from the logits (not upstream's Actor)."""
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=seq, attention_mask=att, position_ids=pos).logits
+    a = am.shape[1]
+    z = logits[:, -a - 1 : -1] / temperature
+    lp = torch.log_softmax(z, -1).gather(-1, seq[:, -a:, None])[..., 0]
+    return (lp * am.to(lp.dtype)).sum(-1)
+
+
+def _autograd_sq_norms(model, seq, att, am, temperature):
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for i in range(seq.shape[0]):
+        f = _log_prob_sums(model, seq[i : i + 1], att[i : i + 1], am[i : i + 1], temperature)[0]
+        grads = torch.autograd.grad(f, params)
+        out.append(sum((g.double() ** 2).sum() for g in grads))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_full_norms_equal_per_trajectory_autograd_float64(tie, temperature):
+    # padding_idx 0: the pad token's row gets no gradient from a lookup (the padded row and one response use it)
+    model = tiny_qwen2(vocab=96, tie_word_embeddings=tie, pad_token_id=0).double()
+    seq, att, am = _batch(96)
+    seq[0, 8] = 0
+    want = _autograd_sq_norms(model, seq, att, am, temperature)
+    got = trainer_opob.model_sq_grad_norms(model, lambda: _log_prob_sums(model, seq, att, am, temperature))
+    assert not any(p.grad is not None for p in model.parameters())  # no parameter gradient written
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=0)
+    assert got.std() > 0  # the rows differ: a norm summed over the batch would not pass
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_full_norms_under_gradient_checkpointing(reentrant):
+    model = tiny_qwen2(vocab=96).double()
+    seq, att, am = _batch(96, seed=1)
+    want = _autograd_sq_norms(model, seq, att, am, 1.0)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()  # HF checkpoints in training mode only
+    got = trainer_opob.model_sq_grad_norms(model, lambda: _log_prob_sums(model, seq, att, am, 1.0))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=0)
+
+
+def test_full_norms_through_upstreams_actor_one_row_per_pass():
+    from openrlhf_ess.runtime import cpu_compat
+
+    cpu_compat.apply()
+    from openrlhf.models import Actor
+
+    model = tiny_qwen2(vocab=96).double()
+    actor = Actor(model, temperature=0.7)
+    actor.packing_samples = False  # set by upstream only when it loads the model from a path
+    seq, att, am = _batch(96, seed=2)
+    want = _autograd_sq_norms(model, seq, att, am, 0.7)
+    for rows in (1, 3):
+        got = trainer_opob.full_norms(actor, seq, am, att, rows=rows)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)  # returned in fp32
+
+
+@pytest.mark.parametrize("shape", [(7, 3, 5), (2, 40, 50)])  # T(d_in + d_out) > d_in d_out: direct; else gram
+def test_linear_ghost_norms_equal_the_explicit_gradient(shape):
+    t, d_in, d_out = shape
+    g = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(4, t, d_in, generator=g).double(), torch.randn(4, t, d_out, generator=g).double()
+    want = torch.stack([(dy[b].T @ x[b]).pow(2).sum() + dy[b].sum(0).pow(2).sum() for b in range(4)])
+    torch.testing.assert_close(opob.linear_sq_grad_norms(x, dy, bias=True, block_bytes=64), want, rtol=1e-12, atol=0)
+
+
+def test_embedding_norms_sum_the_rows_of_repeated_tokens():
+    ids = torch.tensor([[1, 2, 1, 3]])
+    g = torch.tensor([[[1.0, 0.0], [0.0, 2.0], [3.0, 1.0], [0.0, 0.0]]], dtype=torch.float64)
+    # token 1: (1, 0) + (3, 1) = (4, 1) -> 17; token 2: (0, 2) -> 4; token 3: 0
+    assert opob.embedding_sq_grad_norms(ids, g).tolist() == [21.0]
+
+
+def test_a_module_it_cannot_take_is_refused_with_the_flag():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            return x * self.gain
+
+    model = torch.nn.Sequential(torch.nn.Embedding(4, 2), Scaled())
+    with pytest.raises(ValueError, match="--algo.advantage.opob_norm head"):
+        trainer_opob.norm_plan(model)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("zero_stage", [3])
+def test_full_norms_through_a_deepspeed_actor_leave_its_step_unchanged(tiny_world, tmp_path, zero_stage):
+    """ZeRO-3 (parameters partitioned, gradient checkpointing on): the norms equal autograd's on the plain model
+    loaded from the same folder, and the optimizer step after the norm pass is the step without it (the pass
+    writes no gradient and leaves no state in DeepSpeed's hooks)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.opob_full_ds import batch
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def run(*extra):
+        out = tmp_path / f"out{len(extra)}.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.helpers.opob_full_ds",
+            tiny_world["model"],
+            tiny_world["prompts"],
+            str(out),
+        ]
+        done = subprocess.run(
+            cmd + ["--zero_stage", str(zero_stage), *extra], cwd=repo, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        return json.loads(out.read_text())
+
+    with_norms = run()
+    model = AutoModelForCausalLM.from_pretrained(tiny_world["model"], torch_dtype=torch.float64)
+    seq, am, att = batch()
+    want = _autograd_sq_norms(model, seq, att, am, 1.0)
+    torch.testing.assert_close(torch.tensor(with_norms["norms"], dtype=torch.float64), want, rtol=1e-4, atol=0)
+    without = run("--no_norms")
+    assert without["loss"] == with_norms["loss"] and without["after"] == with_norms["after"]
