@@ -180,7 +180,7 @@ def test_sequence_tis_clip_metric_counts_truncated_sequences_of_left_padded_batc
     assert clipped.item() == pytest.approx(2 / 3)
 
 
-# As openrlhf_ess/config.py configures upstream's PolicyLoss for --algo.tis_cap 2 at each level.
+# As openrlhf_ess/config/resolve.py configures upstream's PolicyLoss for --algo.tis_cap 2 at each level.
 _UPSTREAM_FOR_TIS = {
     "token": dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=[0.0, 2.0]),
     "seq": {},

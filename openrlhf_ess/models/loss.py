@@ -1,7 +1,7 @@
 """Policy loss: upstream's ``PolicyLoss`` plus sequence-level truncated IS (geometric mean or product).
 
 Mirrors ``openrlhf/models/loss.py``. Token-level TIS needs no maths here: it is upstream's
-``is_correction`` clip mode, configured from ``--algo.tis_cap`` (see ``openrlhf_ess/config.py``); our
+``is_correction`` clip mode, configured from ``--algo.tis_cap`` (see ``openrlhf_ess/config/resolve.py``); our
 subclass only checks, at both levels, that the rollout log-probs μ it needs are there.
 """
 

@@ -6,7 +6,7 @@ image, a cluster that mounts home read-only on compute nodes) ``import deepspeed
 (``~/.cache/vllm``) would fail the same way when the engine starts. For each such cache whose variable the user did
 not set and whose default folder cannot be created, the CLI sets the variable to a folder under the system's
 temporary directory before anything imports those libraries, and says so in one line; the variables reach every
-Ray worker (``cli/train_ppo_ray.py::_FORWARDED_ENV``). Nothing is moved when HOME is writable: default off is
+Ray worker (``cli/ray_start.py::_FORWARDED_ENV``). Nothing is moved when HOME is writable: default off is
 upstream.
 """
 
