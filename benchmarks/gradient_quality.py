@@ -50,6 +50,12 @@ Metrics per (correction, L), over the K batches: cosine(g, g*), ‖g − g*‖/�
 pooled direction (mean of the K g's) with g* (bias, with the noise of K·B samples left), and the spread
 tr Cov(g) / ‖mean g‖². The same metrics for K fresh batches of size B from θ_N are the noise floor: a
 correction that reaches them removes the staleness bias; one below them is biased or noisier.
+
+The control, per lag: sync's own on-policy gradient at θ_{N−L} (the plain estimator at ratio 1, differentiated at
+θ_{N−L}, on the same K stale batches and once on a fresh batch from θ_{N−L} as large as g*'s), scored against g*
+the same way. It measures how far the on-policy direction itself turns in L steps of synchronous training: where
+θ_{N−L} and θ_N sit on opposite sides of an optimum, it is negative with no stale sample involved, so a stale
+estimator's low cosine says something about stale samples only where it falls below the control's.
 Two regimes are run: the CLI's LR (1e-3) and a 10× larger one, where the policy moves more per step.
 
 Writes ``results.json``, ``results.md`` and ``gradient_quality.png`` into ``--out``.
@@ -83,6 +89,7 @@ from openrlhf_ess.models import corrections  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
 from openrlhf_ess.trainer import prox  # noqa: E402
 
+DEFAULT_OUT = os.path.join(REPO, "docs", "gradient_quality")
 TIS_CAP = 2.0
 UNCAPPED = 1e30  # "IS, no cap": the plain token IS weight π_θN/μ (a diagnostic: is the cap the bias?)
 ESS_FLOOR = 0.1
@@ -121,6 +128,14 @@ OPOB_BASE = {
     "IS (seq product) + held-out mean": "none",
     "IS (seq product) + held-out OPOB": "none",
 }
+# The control: sync's own on-policy gradient at the stale weights θ_{N−L} (the "none" loss at ratio 1, differentiated
+# at θ_{N−L} on the same stale batches), scored against g* at θ_N like every estimator. Where synchronous training
+# itself turns (θ_{N−L} and θ_N on opposite sides of an optimum), this cosine is low or negative with no stale sample
+# involved: an estimator is biased by staleness only as far as it falls short of this row.
+CONTROL = "control: on-policy at θ_{N−L}"
+CONTROL_LARGE = "control: on-policy at θ_{N−L}, fresh batch as large as g*'s"
+# The estimators the per-seed control table puts beside the control
+MAIN = ("none", "TIS", "TIS (seq)", "snapshot + TIS", "loglinear + TIS", "OPOB", "IS (seq product)")
 # Which π_prox each correction feeds the loss as ``old_log_probs`` (keys of StaleBatch.prox).
 PROX_OF = {
     "none": "current",
@@ -602,11 +617,19 @@ def run_once(tiny: Tiny, cfg: argparse.Namespace, lr: float, steps: int, seed: i
             tiny.model.load_state_dict(states[N])
             with torch.no_grad():
                 tiny.hold_out(r, tiny.log_probs(r))
+        # the control with a fresh batch as large as g*'s, from θ_{N−L} (its own generator: the stale batches below
+        # are the same draws with or without it)
+        tiny.model.load_state_dict(stale_state)
+        control_fresh = tiny.sample(cfg.ref_prompts, torch.Generator().manual_seed(1_000_003 * (seed + 1) + L))
+        control_large = on_policy_gradient(tiny, control_fresh, chunk)
+        control_grads = []
         for _ in range(cfg.batches):
             tiny.model.load_state_dict(stale_state)
             r = tiny.sample(B, gen) if tiny.engine is None else tiny.sample_engine(B, gen)
             with torch.no_grad():
                 exact = tiny.log_probs(r)
+            # the control on this batch: sync's on-policy gradient at θ_{N−L} (ratio 1, the same advantages)
+            control_grads.append(tiny.gradient(r, tiny.batch(r, 0, {"current": exact}), "none"))
             tiny.model.load_state_dict(states[N])
             with torch.no_grad():
                 current = tiny.log_probs(r)
@@ -637,7 +660,10 @@ def run_once(tiny: Tiny, cfg: argparse.Namespace, lr: float, steps: int, seed: i
             "ewma_auto_decay": ewma_decay_for_lag(L),
             "diagnostics": {k: sum(v) / len(v) for k, v in diag.items()},
             "corrections": {c: quality(grads[c], g_star) for c in CORRECTIONS},
+            "control": quality(control_grads, g_star),
         }
+        lag_out["control"]["large_cos"] = cosine(control_large, g_star)
+        lag_out["control"]["large_reward"] = control_fresh.rewards.mean().item()
         lag_out["diagnostics"]["mu_err"] = max(diag["mu_err"])
         for c in CORRECTIONS:
             lag_out["corrections"][c]["clip_frac"] = sum(clip[c]) / len(clip[c])
@@ -648,8 +674,8 @@ def run_once(tiny: Tiny, cfg: argparse.Namespace, lr: float, steps: int, seed: i
 
 
 def mean_over_seeds(runs: List[dict]) -> dict:
-    """The same nested structure with every number averaged over seeds (lists: elementwise), plus min/max
-    over seeds of the headline metrics as ``<name>_min`` / ``<name>_max``."""
+    """The same nested structure with every number averaged over seeds (lists: elementwise), plus, for the headline
+    metrics, min/max over seeds as ``<name>_min`` / ``<name>_max`` and every seed's value as ``<name>_seeds``."""
 
     def avg(xs):
         if isinstance(xs[0], dict):
@@ -658,23 +684,20 @@ def mean_over_seeds(runs: List[dict]) -> dict:
             return [sum(v) / len(v) for v in zip(*xs)]
         return sum(xs) / len(xs)
 
+    def spread_over_seeds(dst: dict, per_seed: List[dict], metrics: Sequence[str]) -> None:
+        for metric in metrics:
+            vals = [q[metric] for q in per_seed]
+            dst[metric + "_min"], dst[metric + "_max"], dst[metric + "_seeds"] = min(vals), max(vals), vals
+
+    headline = ("cos_mean", "pooled_cos", "rel_mean")
     out = avg(runs)
-    for L in out["lags"]:
+    for L, lag in out["lags"].items():
         for c in CORRECTIONS:
-            for metric in ("cos_mean", "pooled_cos", "rel_mean"):
-                vals = [r["lags"][L]["corrections"][c][metric] for r in runs]
-                out["lags"][L]["corrections"][c][metric + "_min"] = min(vals)
-                out["lags"][L]["corrections"][c][metric + "_max"] = max(vals)
-    for metric in ("cos_mean", "pooled_cos", "rel_mean"):
-        vals = [r["noise_floor"][metric] for r in runs]
-        out["noise_floor"][metric + "_min"], out["noise_floor"][metric + "_max"] = min(vals), max(vals)
-        for L in out["kl"]["lags"]:
-            for k in KL_CORRECTIONS:
-                vals = [r["kl"]["lags"][L][k][metric] for r in runs]
-                out["kl"]["lags"][L][k][metric + "_min"], out["kl"]["lags"][L][k][metric + "_max"] = (
-                    min(vals),
-                    max(vals),
-                )
+            spread_over_seeds(lag["corrections"][c], [r["lags"][L]["corrections"][c] for r in runs], headline)
+        spread_over_seeds(lag["control"], [r["lags"][L]["control"] for r in runs], headline + ("large_cos",))
+        for k in KL_CORRECTIONS:
+            spread_over_seeds(out["kl"]["lags"][L][k], [r["kl"]["lags"][L][k] for r in runs], headline)
+    spread_over_seeds(out["noise_floor"], [r["noise_floor"] for r in runs], headline)
     return out
 
 
@@ -682,35 +705,83 @@ def mean_over_seeds(runs: List[dict]) -> dict:
 # Output
 
 
-def _table(reg: dict, metric: str, fmt: str = "{:.3f}", rows: Sequence[str] = CORRECTIONS) -> List[str]:
+def _cell(q: dict, metric: str, fmt: str = "{:.3f}") -> str:
+    """``mean [seed values, in the order of --seeds]``; the mean alone with one seed or no per-seed values."""
+    if metric not in q:
+        return "—"
+    s = fmt.format(q[metric])
+    seeds = q.get(metric + "_seeds")
+    if seeds and len(seeds) > 1:
+        s += " [" + ", ".join("{:.2f}".format(v) for v in seeds) + "]"
+    return s
+
+
+def _table(
+    reg: dict, metric: str, fmt: str = "{:.3f}", rows: Sequence[str] = CORRECTIONS, control: bool = True
+) -> List[str]:
     lags = list(reg["lags"])
     nf = reg["noise_floor"]
-    rng = reg["seeds"] > 1
-
-    def cell(q):
-        if metric not in q:
-            return "—"
-        s = fmt.format(q[metric])
-        if rng and metric + "_min" in q:
-            s += f" [{fmt.format(q[metric + '_min'])}, {fmt.format(q[metric + '_max'])}]"
-        return s
-
     lines = ["| correction | " + " | ".join(f"L={L}" for L in lags) + " |", "|---|" + "---|" * len(lags)]
-    lines.append("| fresh batches (noise floor, lag 0) | " + " | ".join(cell(nf) for _ in lags) + " |")
+    lines.append("| fresh batches (noise floor, lag 0) | " + " | ".join(_cell(nf, metric, fmt) for _ in lags) + " |")
+    if control:
+        ctrl = [reg["lags"][L]["control"] for L in lags]
+        lines.append(f"| **{CONTROL}** | " + " | ".join(f"**{_cell(q, metric, fmt)}**" for q in ctrl) + " |")
+        if metric == "pooled_cos":
+            lines.append(f"| {CONTROL_LARGE} | " + " | ".join(_cell(q, "large_cos", fmt) for q in ctrl) + " |")
     for c in rows:
-        lines.append(f"| {c} | " + " | ".join(cell(reg["lags"][L]["corrections"][c]) for L in lags) + " |")
+        cells = [_cell(reg["lags"][L]["corrections"][c], metric, fmt) for L in lags]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _control_table(runs: List[dict], seeds: Sequence[int]) -> List[str]:
+    """Per lag and seed: the control's pooled cosine (K batches; fresh batch as large as g*'s) beside the main
+    estimators' pooled cosine, and each estimator minus the control (same batches: a paired difference)."""
+    head = ["lag", "seed", "reward θ_{N−L} → θ_N", "control (g*-sized)", "control (K batches)"] + list(MAIN)
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for L in runs[0]["lags"]:
+        for seed, run in zip(seeds, runs):
+            lag = run["lags"][L]
+            ctrl = lag["control"]
+            cells = [
+                L,
+                str(seed),
+                f"{ctrl['large_reward']:.2f} → {run['reward_at_N']:.2f}",
+                f"{ctrl['large_cos']:.2f}",
+                f"**{ctrl['pooled_cos']:.2f}**",
+            ]
+            for c in MAIN:
+                q = lag["corrections"][c]["pooled_cos"]
+                cells.append(f"{q:.2f} ({q - ctrl['pooled_cos']:+.2f})")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _seed_range(seeds: Sequence[int]) -> str:
+    seeds = list(seeds)
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}–{seeds[-1]}"
+    return ", ".join(map(str, seeds))
 
 
 def markdown(results: dict) -> str:
     cfg = results["config"]
+    timing = results.get("timing", f"{results['seconds']:.0f} s")
     lines = [
         "# Gradient quality: results",
         "",
-        f"Command: `{results['command']}` ({results['seconds']:.0f} s). Per lag, {cfg['batches']} stale batches of "
+        f"Command: `{results['command']}` ({timing}). Per lag, {cfg['batches']} stale batches of "
         f"{cfg['prompts_per_batch']} prompts × {cfg['samples_per_prompt']} samples; g* from "
         f"{cfg['ref_prompts']} × {cfg['samples_per_prompt']} fresh samples; max {cfg['max_new_tokens']} new tokens; "
-        f"training seeds {cfg['seeds']} (numbers: mean over seeds [min, max]). Sampler: {results['sampler']}.",
+        f"training seeds {_seed_range(cfg['seeds'])} (numbers: mean over seeds [each seed's value, seeds "
+        f"{', '.join(map(str, cfg['seeds']))} in that order]). Sampler: {results['sampler']}.",
+        "",
+        f"**The control** (row *{CONTROL}*): sync's own on-policy gradient at the stale weights θ_{{N−L}} (the plain "
+        "estimator, ratio 1, differentiated at θ_{N−L} on the same stale batches; and once on a fresh batch from "
+        "θ_{N−L} as large as g*'s), scored against g* at θ_N like every estimator. It is what the direction of "
+        "synchronous training L steps ago says about the direction now: where training turns (θ_{N−L} and θ_N on "
+        "opposite sides of an optimum) it is low or negative with no stale sample involved. An estimator shows a "
+        "bias of stale samples only by differing from this row.",
         "",
     ]
     for name, reg in results["regimes"].items():
@@ -737,13 +808,22 @@ def markdown(results: dict) -> str:
                 f"| {L} | {d['k1']:.4f} | {d['tis_capped']:.4f} | {d['rho_recompute']:.4f} | {d['rho_exact']:.6f} | "
                 f"{d['reward_stale']:.3f} | {d['mu_err']:.1e} |"
             )
+        lines += [
+            "",
+            "**The control per seed** (pooled cosine with g*): sync's on-policy gradient at θ_{N−L} on a fresh batch "
+            "as large as g*'s and on the K stale batches, beside the main estimators on the same K batches (in "
+            "parentheses: estimator − control (K batches), a paired difference). Reward θ_{N−L} → θ_N: the mean "
+            "reward of the fresh batches from each.",
+            "",
+        ]
+        lines += _control_table(results["per_seed"][name], cfg["seeds"])
         lines += ["", "**cosine(g, g*)**, per stale batch:", ""] + _table(reg, "cos_mean")
         lines += ["", "**cosine(mean of the K batches' g, g*)** (pooled: less noise, bias stays):", ""]
         lines += _table(reg, "pooled_cos")
         lines += ["", "**‖g − g*‖ / ‖g*‖**, per stale batch:", ""] + _table(reg, "rel_mean")
         lines += ["", "**spread tr Cov(g) / ‖mean g‖²** across the K batches:", ""] + _table(reg, "spread", "{:.2f}")
         lines += ["", "**PPO clip fraction** (tokens whose gradient the clip zeroes):", ""]
-        lines += _table(reg, "clip_frac")
+        lines += _table(reg, "clip_frac", control=False)
         kl = {"lags": {L: {"corrections": q} for L, q in reg["kl"]["lags"].items()}, "seeds": reg["seeds"]}
         kl["noise_floor"] = reg["kl"]["noise_floor"]
         lines += [
@@ -753,9 +833,9 @@ def markdown(results: dict) -> str:
             "Pooled cosine:",
             "",
         ]
-        lines += _table(kl, "pooled_cos", rows=KL_CORRECTIONS)
-        lines += ["", "Per-batch cosine:", ""] + _table(kl, "cos_mean", rows=KL_CORRECTIONS)
-        lines += ["", "Per-batch ‖g − g*‖/‖g*‖:", ""] + _table(kl, "rel_mean", rows=KL_CORRECTIONS)
+        lines += _table(kl, "pooled_cos", rows=KL_CORRECTIONS, control=False)
+        lines += ["", "Per-batch cosine:", ""] + _table(kl, "cos_mean", rows=KL_CORRECTIONS, control=False)
+        lines += ["", "Per-batch ‖g − g*‖/‖g*‖:", ""] + _table(kl, "rel_mean", rows=KL_CORRECTIONS, control=False)
         lines.append("")
     return "\n".join(lines)
 
@@ -781,6 +861,8 @@ def plot(results: dict, path: str) -> None:
                 ys = [reg["lags"][str(L)]["corrections"][c][metric] for L in lags]
                 ax.plot(lags, ys, styles[i % len(styles)], marker="o", ms=3, label=c)
             ax.axhline(reg["noise_floor"][metric], color="grey", lw=1.5, alpha=0.7, label="fresh batches (lag 0)")
+            ys = [reg["lags"][str(L)]["control"][metric] for L in lags]
+            ax.plot(lags, ys, color="black", lw=2.5, alpha=0.6, marker="s", ms=4, label=CONTROL)
             ax.set_xscale("log", base=2)
             ax.set_xticks(lags, [str(L) for L in lags])
             ax.set_xlabel("version lag L")
@@ -806,14 +888,14 @@ SAMPLERS = {
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke run (tiny batches, lags 1 and 2)")
-    p.add_argument("--out", default=os.path.join(REPO, "docs", "gradient_quality"))
+    p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument(
         "--regimes",
         nargs="+",
         default=None,
         help="LR:STEPS per regime: Adam LR and the number N of training steps (default 1e-3:16 1e-2:10)",
     )
-    p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1 2)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default 0 1 2 3 4)")
     p.add_argument("--lags", type=int, nargs="+", default=None, help="default 1 2 4 8")
     p.add_argument("--batches", type=int, default=None, help="stale batches K per lag (default 16)")
     p.add_argument("--prompts-per-batch", type=int, default=None, help="prompts per batch, x4 samples (default 8)")
@@ -832,9 +914,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         default="digits",
         help="reward: the digit fraction, or the interior optimum 1 − |f − 0.5| / 0.5 (tiny/reward_target.py)",
     )
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="no run: merge the results.json of runs made with the same settings but different --regimes (e.g. "
+        "one process per regime, in parallel) into one results.json / results.md / plot in --out; with one DIR, "
+        "rewrite its results.md and plot from its results.json",
+    )
     a = p.parse_args(argv)
     quick = dict(regimes=["1e-2:3"], seeds=[0], lags=[1, 2], batches=3, prompts_per_batch=2, ref_prompts=16)
-    full = dict(regimes=["1e-3:16", "1e-2:10"], seeds=[0, 1, 2], lags=[1, 2, 4, 8], batches=16)
+    full = dict(regimes=["1e-3:16", "1e-2:10"], seeds=[0, 1, 2, 3, 4], lags=[1, 2, 4, 8], batches=16)
     full.update(prompts_per_batch=8, ref_prompts=1024)
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
@@ -848,8 +939,47 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return a
 
 
+def write(results: dict, out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown(results))
+    plot(results, os.path.join(out, "gradient_quality.png"))
+
+
+def combine(dirs: Sequence[str], out: str) -> dict:
+    """One results file from runs of the same settings over different regimes (``--combine``)."""
+    parts = []
+    for d in dirs:
+        with open(os.path.join(d, "results.json")) as f:
+            parts.append(json.load(f))
+    results = dict(parts[0])
+    results["config"] = dict(parts[0]["config"])
+    for part in parts[1:]:
+        same = ("seeds", "lags", "batches", "prompts_per_batch", "ref_prompts", "max_new_tokens")
+        for k in same:
+            if part["config"][k] != results["config"][k]:
+                raise SystemExit(f"--combine: {k} differs between the runs")
+        if part["sampler"] != results["sampler"] or part["task"] != results["task"]:
+            raise SystemExit("--combine: the runs used different samplers or tasks")
+    results["config"]["regimes"] = [r for part in parts for r in part["config"]["regimes"]]
+    results["regimes"] = {k: v for part in parts for k, v in part["regimes"].items()}
+    results["per_seed"] = {k: v for part in parts for k, v in part["per_seed"].items()}
+    results["command"] = "`; `".join(part["command"] for part in parts)
+    results["seconds"] = sum(part["seconds"] for part in parts)
+    if len(parts) > 1:
+        results["timing"] = ", ".join(f"{part['seconds']:.0f} s" for part in parts) + ", in parallel; merged by `"
+        shown = "" if os.path.abspath(out) == DEFAULT_OUT else f" --out {out}"
+        results["timing"] += "python -m benchmarks.gradient_quality --combine " + " ".join(dirs) + shown + "`"
+    write(results, out)
+    return results
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
     a = parse_args(argv)
+    if a.combine:
+        return combine(a.combine, a.out)
     t0 = time.time()
     from openrlhf_ess.tiny.world import build_world
 
@@ -880,12 +1010,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "per_seed": runs,
         "seconds": time.time() - t0,
     }
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(a.out, "results.md"), "w") as f:
-        f.write(markdown(results))
-    plot(results, os.path.join(a.out, "gradient_quality.png"))
+    write(results, a.out)
     print(f"[gradient_quality] wrote {a.out} in {results['seconds']:.0f} s", flush=True)
     return results
 

@@ -200,8 +200,37 @@ def test_quick_run_writes_its_results(tmp_path):
         for q in lag["corrections"].values():
             assert -1 <= q["cos_mean"] <= 1 and q["rel_mean"] >= 0 and math.isfinite(q["spread"])
         assert lag["diagnostics"]["mu_err"] < 1e-4  # μ = the sampler's log-probs, checked by a separate forward
+        # the control: sync's on-policy gradient at θ_{N−L}, on the K stale batches and on a fresh g*-sized batch
+        ctrl = lag["control"]
+        for key in ("cos_mean", "pooled_cos", "large_cos"):
+            assert math.isfinite(ctrl[key]) and -1 <= ctrl[key] <= 1, key
+        assert ctrl["rel_mean"] >= 0 and 0 <= ctrl["large_reward"] <= 1
     assert regime["g_star_norm"] > 0
     assert results["seconds"] < 60
+    # the control row sits in the tables beside the estimators, and the per-seed control table is there
+    md = (tmp_path / "results.md").read_text()
+    assert md.count(f"| **{gq.CONTROL}** |") == 4  # per-batch cosine, pooled cosine, relative error, spread
+    assert f"| {gq.CONTROL_LARGE} |" in md
+    assert "| lag | seed | reward θ_{N−L} → θ_N | control (g*-sized) | control (K batches) |" in md
+
+
+def test_seed_aggregation_keeps_every_seed():
+    """mean_over_seeds: the mean, and every seed's value in order (the tables print them), control included."""
+
+    def run(x):
+        q = {"cos_mean": x, "pooled_cos": -x, "rel_mean": 1 + x, "spread": 1.0}
+        lag = {"corrections": {c: dict(q) for c in gq.CORRECTIONS}, "control": {**q, "large_cos": x / 2}}
+        kl = {"noise_floor": dict(q), "lags": {"2": {k: dict(q) for k in gq.KL_CORRECTIONS}}}
+        return {"noise_floor": dict(q), "lags": {"2": lag}, "kl": kl, "train_reward": [x, x]}
+
+    out = gq.mean_over_seeds([run(0.1), run(0.5), run(-0.3)])
+    ctrl = out["lags"]["2"]["control"]
+    assert ctrl["pooled_cos"] == pytest.approx(-0.1) and ctrl["pooled_cos_seeds"] == [-0.1, -0.5, 0.3]
+    assert ctrl["large_cos_seeds"] == [0.05, 0.25, -0.15] and ctrl["large_cos_min"] == -0.15
+    assert out["lags"]["2"]["corrections"]["TIS"]["cos_mean_seeds"] == [0.1, 0.5, -0.3]
+    assert out["noise_floor"]["rel_mean_max"] == 1.5 and out["train_reward"] == pytest.approx([0.1, 0.1])
+    assert gq._cell(ctrl, "pooled_cos") == "-0.100 [-0.10, -0.50, 0.30]"
+    assert gq._seed_range([0, 1, 2, 3, 4]) == "0–4" and gq._seed_range([0, 2]) == "0, 2"
 
 
 @pytest.mark.engine
