@@ -98,11 +98,11 @@ def test_cpu_default_sync_backend_is_reload(tiny_world):
     assert any("nccl -> reload" in n for n in notices)
 
 
-def test_token_tis_configures_upstream_flags(tiny_world):
+def test_token_tis_leaves_upstreams_is_correction_flags_alone(tiny_world):
+    """Our loss applies the TIS weight at every level (models/loss.py): upstream's own IS correction stays off."""
     args, _ = cli.parse_args(_base(tiny_world) + ["--algo.tis_cap", "2"])
-    adv = args.algo.advantage
-    assert (adv.is_correction_level, adv.is_correction_mode, adv.is_correction_gating) == ("token", "clip", "ratio")
-    assert adv.is_correction_threshold == [0.0, 2.0]
+    assert (args.algo.tis_cap, args.algo.tis_level) == (2.0, "token")
+    assert args.algo.advantage.is_correction_level == "off"
 
 
 def test_snapshot_lag_bound_lowers_the_requirement(tiny_world):

@@ -180,35 +180,38 @@ def test_sequence_tis_clip_metric_counts_truncated_sequences_of_left_padded_batc
     assert clipped.item() == pytest.approx(2 / 3)
 
 
-# As openrlhf_ess/config/resolve.py configures upstream's PolicyLoss for --algo.tis_cap 2 at each level.
-_UPSTREAM_FOR_TIS = {
-    "token": dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=[0.0, 2.0]),
-    "seq": {},
-    "seq_product": {},
-}
+# Upstream's own IS correction in clip mode at [0, C]: the same weight as --algo.tis_cap C at the token level.
+_UPSTREAM_TOKEN_CLIP = dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=[0.0, 2.0])
 
 
 @pytest.mark.parametrize("level", ["token", "seq", "seq_product"])
 def test_tis_without_rollout_log_probs_names_the_flag(level):
-    ours = PolicyLoss.from_upstream(UpstreamPolicyLoss(**_UPSTREAM_FOR_TIS[level]), tis_cap=2.0, tis_level=level)
+    ours = PolicyLoss.from_upstream(UpstreamPolicyLoss(), tis_cap=2.0, tis_level=level)
     lp = torch.zeros(2, 3)
     with pytest.raises(RuntimeError, match=r"--algo\.tis_cap.*rollout log-probs \(μ\) are missing"):
         ours(lp, lp, torch.ones(2, 3), action_mask=torch.ones(2, 3), rollout_log_probs=None)
 
 
-def test_token_tis_through_our_loss_is_upstreams_bit_for_bit():
-    # Wrapping the token-level loss (for the μ check) must not change a single bit of upstream's result.
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_token_tis_through_our_loss_equals_upstreams_is_correction_clip_mode(dual_clip):
+    """Our token-level TIS (the weight from corrections.tis_weights, on advantages w·A) against upstream's own
+    implementation of min(π_prox/μ, C), its is_correction clip mode: every output, loss gradient included."""
     torch.manual_seed(2)
-    log_probs = -torch.rand(2, 5)
-    old = log_probs + 0.2 * torch.randn(2, 5)
-    mu = old - torch.randn(2, 5)
-    adv = torch.randn(2, 5)
-    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 0]])
-    base = UpstreamPolicyLoss(**_UPSTREAM_FOR_TIS["token"])
-    ours = PolicyLoss.from_upstream(base, tis_cap=2.0, tis_level="token")
+    log_probs = (-torch.rand(3, 6)).requires_grad_()
+    old = log_probs.detach() + 0.2 * torch.randn(3, 6)
+    mu = old - torch.randn(3, 6)  # some π_prox/μ far above C = 2: truncated tokens
+    adv = torch.randn(3, 6)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    upstream = UpstreamPolicyLoss(dual_clip=dual_clip, **_UPSTREAM_TOKEN_CLIP)
+    ours = PolicyLoss.from_upstream(UpstreamPolicyLoss(dual_clip=dual_clip), tis_cap=2.0, tis_level="token")
     got = ours(log_probs, old, adv, action_mask=mask, rollout_log_probs=mu)
-    want = base(log_probs, old, adv, action_mask=mask, rollout_log_probs=mu)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    want = upstream(log_probs, old, adv, action_mask=mask, rollout_log_probs=mu)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert 0 < want[4].item() < 1  # some tokens truncated, not all: the fraction can tell
+    (g_ours,) = torch.autograd.grad(got[0], log_probs)
+    (g_up,) = torch.autograd.grad(want[0], log_probs)
+    torch.testing.assert_close(g_ours, g_up, rtol=1e-6, atol=1e-7)
 
 
 def test_token_tis_through_upstream_flags_equals_hand_computation():

@@ -57,7 +57,6 @@ from openrlhf_ess.config.resolve import (
     reward_file,
     routing_replay_on,
     sampling_mask_on,
-    token_tis_to_upstream,
     truncates_sampling,
 )
 from openrlhf_ess.config.validation import TRAINER_DTYPES, validate, validate_before_upstream
@@ -110,7 +109,6 @@ __all__ = [
     "routing_replay_on",
     "sampling_mask_on",
     "shown",
-    "token_tis_to_upstream",
     "truncates_sampling",
     "validate",
     "validate_before_upstream",

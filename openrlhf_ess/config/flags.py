@@ -332,9 +332,9 @@ def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
         "--algo.tis_cap",
         type=float,
         default=None,
-        help="Truncated importance sampling cap C: weight each token by min(pi_prox/mu, C), at token level through "
-        "upstream's PolicyLoss. Typical C: 2. Off by default. Replaces --algo.advantage.is_correction_* (do not set "
-        "both). docs/off_policy.md.",
+        help="Truncated importance sampling cap C: weight the loss by min(pi_prox/mu, C) (per token, or per "
+        "sequence: --algo.tis_level). Typical C: 2. Off by default. Not with upstream's "
+        "--algo.advantage.is_correction_* (one IS correction at a time). docs/off_policy.md.",
     )
     default_caps = " or ".join(f"{cap:g} at {level}" for level, cap in TIS_DEFAULT_CAP.items())
     group.add_argument(

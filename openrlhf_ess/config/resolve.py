@@ -77,17 +77,6 @@ def default_tis_cap(args: types.SimpleNamespace, notices: List[str]) -> None:
         notices.append(f"--algo.tis_level {algo.tis_level}: weights truncated at --algo.tis_cap {algo.tis_cap:g}.")
 
 
-def token_tis_to_upstream(args: types.SimpleNamespace) -> None:
-    """Token-level TIS as upstream's IS-correction flags. One source of truth: upstream's PolicyLoss implements
-    exactly min(pi_prox/mu, C) this way."""
-    algo = args.algo
-    if algo.tis_cap is not None and algo.tis_level == "token":
-        algo.advantage.is_correction_level = "token"
-        algo.advantage.is_correction_mode = "clip"
-        algo.advantage.is_correction_gating = "ratio"
-        algo.advantage.is_correction_threshold = [0.0, algo.tis_cap]
-
-
 # ---- values taken from the machine ------------------------------------------------------------------------------
 
 

@@ -328,7 +328,6 @@ def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> Non
                 f"--algo.tis_cap with --actor.policy_loss_type {args.actor.policy_loss_type}: GSPO's ratio is "
                 "already taken against mu; use --actor.policy_loss_type ppo."
             )
-        resolve.token_tis_to_upstream(args)
     elif algo.tis_level != DEFAULTS["algo.tis_level"]:
         raise ConfigError("--algo.tis_level is set but --algo.tis_cap is not: add --algo.tis_cap C (e.g. 2).")
     if algo.max_version_lag is not None and algo.max_version_lag < 0:

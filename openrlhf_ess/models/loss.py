@@ -1,8 +1,9 @@
-"""Policy loss: upstream's ``PolicyLoss`` plus sequence-level truncated IS (geometric mean or product).
+"""Policy loss: upstream's ``PolicyLoss`` with truncated IS at every level (token, geometric mean, product).
 
-Mirrors ``openrlhf/models/loss.py``. Token-level TIS needs no maths here: it is upstream's
-``is_correction`` clip mode, configured from ``--algo.tis_cap`` (see ``openrlhf_ess/config/resolve.py``); our
-subclass only checks, at both levels, that the rollout log-probs μ it needs are there.
+Mirrors ``openrlhf/models/loss.py``. The TIS weight is :func:`corrections.tis_weights`, the one function the
+metrics (``tis/*``) and the optimal baseline read too; the loss is upstream's on advantages w·A (the clipped
+surrogate is positively homogeneous in A, so for the detached w ≥ 0 this is w times upstream's loss). Upstream's
+own ``--algo.advantage.is_correction_*`` stays available on its own (setting both is refused).
 """
 
 from __future__ import annotations
@@ -26,14 +27,15 @@ class PolicyLoss(_UpstreamPolicyLoss):
         return ours
 
     def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, **kwargs):
-        """Overrides upstream's for sequence-level TIS, and at every TIS level to check that μ is there.
+        """Overrides upstream's for truncated IS (``--algo.tis_cap``), after checking that μ is there.
 
-        Decoupled PPO with w_i = min(exp(mean_t log(π_prox/μ)), C) (``seq``) or min(exp(Σ_t log(π_prox/μ)), C)
-        (``seq_product``, VCPO's trajectory ratio):
-        L = −w_i · min(r_t A_t, clip(r_t, 1−ε_l, 1+ε_h) A_t), r_t = π_θ/π_prox. The clipped surrogate
-        (dual clip included) is positively homogeneous in A, so for the detached w_i ≥ 0 this equals
-        upstream's loss computed on advantages w_i · A_t. The fifth output is the fraction of sequences
-        (with at least one response token) whose w_i the cap C truncated.
+        Decoupled PPO with w_t = min(π_prox/μ, C) (``token``), or one weight per sequence w_i =
+        min(exp(mean_t log(π_prox/μ)), C) (``seq``) or min(exp(Σ_t log(π_prox/μ)), C) (``seq_product``, VCPO's
+        trajectory ratio): L = −w · min(r_t A_t, clip(r_t, 1−ε_l, 1+ε_h) A_t), r_t = π_θ/π_prox. The clipped
+        surrogate (dual clip included) is positively homogeneous in A, so for the detached w ≥ 0 this equals
+        upstream's loss computed on advantages w · A_t. The fourth output is upstream's ``vllm_kl``, the fifth
+        (upstream's ``is_filter_ratio``) the fraction the cap C truncated: of response tokens (``token``), or of
+        sequences with at least one response token.
         """
         if self.tis_cap is not None and rollout_log_probs is None:
             # Without this, upstream's token path and ours fail deep inside with a TypeError on None.
@@ -44,13 +46,16 @@ class PolicyLoss(_UpstreamPolicyLoss):
                 "which asks them for log-probs, or an agent that drops them). Launch with openrlhf_ess.cli."
                 "train_ppo_ray and an agent that keeps the engine's log-probs, or remove --algo.tis_cap."
             )
-        if self.tis_level not in corrections.SEQUENCE_TIS_LEVELS or self.tis_cap is None:
+        if self.tis_cap is None:
             return super().forward(log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, **kwargs)
         w = corrections.tis_weights(old_log_probs, rollout_log_probs, action_mask, self.tis_cap, self.tis_level)
         loss, clip_ratio, ppo_kl, _, _ = super().forward(
             log_probs, old_log_probs, advantages * w, action_mask, rollout_log_probs, **kwargs
         )
         vllm_kl = masked_mean(rollout_log_probs - old_log_probs, action_mask, dim=None).detach()
+        if self.tis_level not in corrections.SEQUENCE_TIS_LEVELS:
+            truncated = corrections.tis_truncated(w, self.tis_cap).float()
+            return loss, clip_ratio, ppo_kl, vllm_kl, masked_mean(truncated, action_mask, dim=None)
         # w is w_i on a row's response tokens and 0 elsewhere (prompt, padding), so its row max is w_i
         # wherever the response sits; a row without a response token is not a sequence of the loss.
         has_response = action_mask.bool().any(-1)
