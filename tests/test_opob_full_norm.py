@@ -146,9 +146,39 @@ def test_full_norms_through_a_deepspeed_actor_leave_its_step_unchanged(tiny_worl
         return json.loads(out.read_text())
 
     with_norms = run()
-    model = AutoModelForCausalLM.from_pretrained(tiny_world["model"], torch_dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(tiny_world["model"], dtype=torch.float64)
     seq, am, att = batch()
     want = _autograd_sq_norms(model, seq, att, am, 1.0)
     torch.testing.assert_close(torch.tensor(with_norms["norms"], dtype=torch.float64), want, rtol=1e-4, atol=0)
     without = run("--no_norms")
     assert without["loss"] == with_norms["loss"] and without["after"] == with_norms["after"]
+
+
+@pytest.mark.engine
+def test_full_norms_on_two_zero3_ranks_with_micro_batches_of_unequal_size(tiny_world, tmp_path):
+    """Two ZeRO-3 ranks (gloo, torchrun): rank 0 holds rows 0-1, rank 1 row 2, as a prompt group split across
+    ranks gives. Each rank makes one pass whatever its rows (ZeRO-3's gathers stay matched: no hang), and each
+    row's norm equals autograd's on the plain model."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.opob_full_ds import batch
+    from tests.helpers.ports import free_port
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), "-m", "tests.helpers.opob_full_ds"]
+    done = subprocess.run(
+        cmd + [tiny_world["model"], tiny_world["prompts"], out], cwd=repo, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    got = [v for r in (0, 1) for v in json.loads(open(f"{out}.rank{r}.json").read())["norms"]]
+    model = AutoModelForCausalLM.from_pretrained(tiny_world["model"], dtype=torch.float64)
+    seq, am, att = batch()
+    want = _autograd_sq_norms(model, seq, att, am, 1.0)
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-4, atol=0)

@@ -2,13 +2,17 @@
 one process, then one optimizer step, for tests:
 
     python -m tests.helpers.opob_full_ds MODEL PROMPTS OUT.json --zero_stage 3 [--no_norms]
+    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P -m tests.helpers.opob_full_ds MODEL PROMPTS OUT
 
 Writes the norms (unless ``--no_norms``), the step's loss and a checksum of the parameters after it, so a test
-can compare the norms with autograd on the plain model and the step with one taken without the norm pass.
+can compare the norms with autograd on the plain model and the step with one taken without the norm pass. Under
+torchrun (2 ranks, gloo) rank 0 takes rows 0-1 of the batch and rank 1 row 2 (micro-batches of unequal size, as
+a split prompt group gives), and each writes OUT.rank<r>.json.
 """
 
 import argparse
 import json
+import os
 
 from tests.helpers.ds_actor import build_actor, param_checksum, single_process_env
 
@@ -34,7 +38,9 @@ def main() -> None:
     parser.add_argument("--zero_stage", type=int, default=3)
     parser.add_argument("--no_norms", action="store_true")
     a = parser.parse_args()
-    single_process_env()
+    ranks = "RANK" in os.environ  # under torchrun: its rank, world size and rendezvous
+    if not ranks:
+        single_process_env()
     from openrlhf_ess.trainer import opob
 
     strategy, model, optim, scheduler = build_actor(
@@ -42,17 +48,23 @@ def main() -> None:
         a.prompts,
         a.zero_stage,
         "fp32",
-        train_batch=3,
-        micro_batch=3,
+        train_batch=2 if ranks else 3,  # DeepSpeed's check: micro x ranks (the rows fed may differ per rank)
+        micro_batch=1 if ranks else 3,
         extra=["--actor.gradient_checkpointing_enable"],
     )
     seq, action_mask, attention_mask = batch()
+    out = a.out
+    if ranks:
+        rank = int(os.environ["RANK"])
+        rows = slice(0, 2) if rank == 0 else slice(2, 3)
+        seq, action_mask, attention_mask = seq[rows], action_mask[rows], attention_mask[rows]
+        out = f"{a.out}.rank{rank}.json"
     norms = None if a.no_norms else opob.full_norms(model, seq, action_mask, attention_mask).tolist()
     log_probs = model(seq, action_mask, attention_mask=attention_mask)
     loss = -(log_probs * action_mask).sum() / action_mask.sum()
     strategy.backward(loss, model, optim)
     strategy.optimizer_step(optim, model, scheduler, name="actor")
-    with open(a.out, "w") as f:
+    with open(out, "w") as f:
         json.dump({"norms": norms, "loss": loss.item(), "after": param_checksum(model, strategy)}, f)
 
 
