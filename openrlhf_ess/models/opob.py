@@ -135,8 +135,8 @@ def lm_head_sq_grad_norms(
             sq = torch.zeros((), dtype=dtype, device=z.device)
             for c in range(0, vocab, vocab_chunk):
                 a = -torch.exp(block(c) - lse)  # a_t = e_{y_t} − p_t on this block's columns
-                inside = (y >= c) & (y < c + a.shape[1])
-                a[inside.nonzero()[:, 0], y[inside] - c] += 1
+                inside = (y >= c) & (y < c + a.shape[1])  # the label's 1, without a host sync (no nonzero)
+                a.scatter_add_(1, (y - c).clamp(0, a.shape[1] - 1)[:, None], inside[:, None].to(a.dtype))
                 grad = (a.to(mm).T @ hm).to(dtype)  # (C, H): this block's rows of Σ_t m_t a_t h_tᵀ
                 sq += torch.dot(grad.reshape(-1), grad.reshape(-1))
             out.append(sq / temperature**2)

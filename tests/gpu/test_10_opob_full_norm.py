@@ -1,7 +1,7 @@
 """Check 10: the whole model's per-trajectory gradient norm (``--algo.advantage.opob_norm full``) on the device:
 its values against one autograd backward per trajectory at V = 151,936, and (CUDA) its time and peak memory beside
-a training step's forward and backward and the LM-head norm's hook, at 1,024 and 4,096 response tokens (recorded
-against their targets, not bounded: a benchmark, not a timed test)."""
+a training step's forward and backward and the LM-head norm's hook, at 1,024 and 4,096 response tokens, on a small
+body and on Qwen2.5-7B's shape (recorded against their targets, not bounded: a benchmark, not a timed test)."""
 
 import time
 
@@ -45,22 +45,32 @@ def test_opob_full_norm_values(check, args, dtype):
         expect(e, all(p.grad is None for p in model.parameters()), "the pass wrote a parameter gradient")
 
 
-@pytest.mark.parametrize("actions", [1024, 4096])
-def test_opob_full_norm_cost(check, args, actions):
-    with check(f"10.opob_full_norm_cost_{actions}", "time and peak memory: full norms, head norms, a step") as e:
+# a real vocabulary and a body wide enough that the head is not the whole model (~0.9B parameters), and Qwen2.5-7B's
+# shape (hidden 3,584, 28 layers, V = 152,064), both random, bf16
+SHAPES = {
+    "small": dict(hidden_size=2048, intermediate_size=5504, num_hidden_layers=8, num_attention_heads=16),
+    "7b": dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, vocab_size=152_064
+    ),
+}
+
+
+def _model(shape: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = dict(vocab_size=151_936, num_key_value_heads=4, max_position_embeddings=8192, tie_word_embeddings=False)
+    cfg.update(SHAPES[shape])
+    torch.manual_seed(2)
+    with torch.device("cuda"):  # built on the device: a 7B initialised on the host takes minutes
+        return Qwen2ForCausalLM._from_config(Qwen2Config(**cfg), attn_implementation="sdpa", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape,actions", [("small", 1024), ("small", 4096), ("7b", 4096)])
+def test_opob_full_norm_cost(check, args, shape, actions):
+    with check(f"10.opob_full_norm_cost_{shape}_{actions}", "time and peak memory: full/head norms, a step") as e:
         if args.device != "cuda":
             pytest.skip("timing and peak device memory: CUDA only (the CPU cost is benchmarks/opob_norms.py)")
-        # a real vocabulary and a body wide enough that the head is not the whole model (~0.9B parameters, bf16)
-        model = tiny_qwen2(
-            seed=2,
-            hidden_size=2048,
-            intermediate_size=5504,
-            num_hidden_layers=8,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            max_position_embeddings=8192,
-            attn_implementation="sdpa",
-        ).to(device="cuda", dtype=torch.bfloat16)
+        model = _model(shape)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         seq = torch.randint(0, 151_936, (1, actions + 256), generator=torch.Generator().manual_seed(0)).cuda()
@@ -100,7 +110,7 @@ def test_opob_full_norm_cost(check, args, actions):
         full_ratio = t["full"][0] / t["step"][0]
         e["numbers"].update({"head_added_over_step": round(head_added, 3), "full_over_step": round(full_ratio, 3)})
         e["summary"] = (
-            f"A = {actions}: head norms add {head_added:.1%} of a step (target ≤ 15 %); the full pass costs "
+            f"{shape}, A = {actions}: head norms add {head_added:.1%} of a step (target ≤ 15 %); the full pass costs "
             f"{full_ratio:.2f}× a step's forward + backward (target ≤ 1)"
         )
         # the ratios are recorded against their targets, not bounded (a benchmark, not a timed test)
