@@ -182,15 +182,10 @@ def policy_loss(correction: str) -> torch.nn.Module:
     if correction == "none":
         return PolicyLoss()
     cap = UNCAPPED if correction == "IS, no cap" else TIS_CAP
-    if "(seq)" in correction:  # --algo.tis_level seq: our PolicyLoss weights the sequence, upstream's IS is off
-        return PolicyLoss.from_upstream(UpstreamPolicyLoss(), tis_cap=cap, tis_level="seq")
-    upstream = UpstreamPolicyLoss(
-        is_correction_level="token",
-        is_correction_mode="clip",
-        is_correction_gating="ratio",
-        is_correction_threshold=[0.0, cap],  # what openrlhf_ess.config sets for --algo.tis_cap C (token level)
+    # our PolicyLoss weights each token (or the sequence, "(seq)"); upstream's own IS correction stays off
+    return PolicyLoss.from_upstream(
+        UpstreamPolicyLoss(), tis_cap=cap, tis_level="seq" if "(seq)" in correction else "token"
     )
-    return PolicyLoss.from_upstream(upstream, tis_cap=cap, tis_level="token")
 
 
 def prox_log_probs(batch: StaleBatch, correction: str) -> torch.Tensor:

@@ -21,6 +21,11 @@ class PolicyLoss(_UpstreamPolicyLoss):
     @classmethod
     def from_upstream(cls, loss: _UpstreamPolicyLoss, tis_cap: float, tis_level: str) -> "PolicyLoss":
         """Our loss with the configuration of the one upstream's trainer built."""
+        if tis_cap is not None and loss.is_correction_level != "off":  # pre-flight refuses both flags together
+            raise ValueError(
+                "--algo.tis_cap with upstream's --algo.advantage.is_correction_level "
+                f"{loss.is_correction_level}: the weight would apply twice; set one IS correction."
+            )
         ours = cls.__new__(cls)
         ours.__dict__.update(vars(loss))
         ours.tis_cap, ours.tis_level = tis_cap, tis_level
