@@ -266,17 +266,9 @@ class _Tree:
 
     def alive(self):
         """The recorded processes that still exist (same PID and same start time), as psutil objects."""
-        import psutil
+        from openrlhf_ess.runtime.shm_cleanup import alive_processes
 
-        out = []
-        for pid, (created, _) in self.seen.items():
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p)
-            except psutil.Error:
-                pass
-        return out
+        return alive_processes((pid, created) for pid, (created, _) in self.seen.items())
 
 
 def end_processes(procs, grace: float = 10.0) -> None:

@@ -173,7 +173,9 @@ def end_processes(procs, grace_s: float = 10.0) -> None:
     psutil.wait_procs(left, timeout=5)
 
 
-def _alive(seen: Iterable[Tuple[int, float]], exclude: int) -> List[int]:
+def alive_processes(seen: Iterable[Tuple[int, float]], exclude: Optional[int] = None) -> list:
+    """The processes of ``seen`` ((pid, start time) pairs) that still exist and are not zombies, as psutil objects:
+    a PID now held by another process (another start time) is not one of them. ``exclude``: a PID left out."""
     import psutil
 
     alive = []
@@ -183,10 +185,14 @@ def _alive(seen: Iterable[Tuple[int, float]], exclude: int) -> List[int]:
         try:
             p = psutil.Process(pid)
             if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
+                alive.append(p)
         except psutil.Error:
             pass
     return alive
+
+
+def _alive(seen: Iterable[Tuple[int, float]], exclude: int) -> List[int]:
+    return [p.pid for p in alive_processes(seen, exclude)]
 
 
 def unlink_unheld(names: Iterable[str], held: Set[Tuple[int, int]]) -> Tuple[List[Tuple[str, int]], bool]:

@@ -56,9 +56,6 @@ def norms_captured(head: torch.nn.Module, sequences, action_mask, temperature: f
         handle.remove()
 
 
-NORM_SCOPES = ("head", "full")
-
-
 def _rms_eps(module: torch.nn.Module) -> Optional[float]:
     """ε of an RMSNorm of the Llama/Qwen/Mistral form, w ⊙ (x·rsqrt(mean x² + ε)) cast to the input dtype (Gemma's
     (1 + w) form is not); None for any other module."""
