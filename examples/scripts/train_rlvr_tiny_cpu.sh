@@ -12,12 +12,13 @@ ROOT=$(pwd)
 source scripts/env_cpu.sh
 
 SEED=${SEED:-0}
-STEPS=${STEPS:-48}
-EVAL_STEPS=${EVAL_STEPS:-8}
+STEPS=${STEPS:-200}
+PROMPTS=${PROMPTS:-32}
+EVAL_STEPS=${EVAL_STEPS:-25}
 RUN_DIR=${RUN_DIR:-$ROOT/runs/tiny_rlvr/seed$SEED}
 WORLD=${WORLD:-$ROOT/runs/tiny_rlvr/world}
 mkdir -p "$RUN_DIR"
-python -m openrlhf_ess.tiny.rlvr "$WORLD" --seed "$SEED" > "$RUN_DIR/world.json"
+python -m openrlhf_ess.tiny.rlvr "$WORLD" --seed "$SEED" --n_train $((STEPS * PROMPTS)) > "$RUN_DIR/world.json"
 # the build's JSON line (imports may print a log line before it)
 WORLD_JSON=$(grep '^{' "$RUN_DIR/world.json" | tail -n 1)
 field() { python -c "import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])" "$WORLD_JSON" "$1"; }
@@ -27,11 +28,11 @@ args=(
    --data.prompt_dataset "$(field prompts)"
    --data.input_key input
    --data.label_key label
-   --data.max_samples $((STEPS * 8))
+   --data.max_samples $((STEPS * PROMPTS))
    --eval.dataset "$(field eval)"
    --eval.steps "$EVAL_STEPS"
-   --eval.temperature 0
-   --eval.n_samples_per_prompt 1
+   --eval.temperature 1.0
+   --eval.n_samples_per_prompt 4
    --reward.remote_url "$(field reward)"
    --algo.advantage.estimator group_norm
    --algo.kl.init_coef 0
@@ -41,11 +42,11 @@ args=(
    --vllm.tensor_parallel_size 1
    --vllm.enforce_eager
    --vllm.cpu_kv_cache_gb 0.0625
-   --rollout.batch_size 8
+   --rollout.batch_size "$PROMPTS"
    --rollout.n_samples_per_prompt 8
-   --rollout.micro_batch_size 16
-   --train.batch_size 64
-   --train.micro_batch_size 16
+   --rollout.micro_batch_size 64
+   --train.batch_size $((PROMPTS * 8))
+   --train.micro_batch_size 64
    --rollout.max_new_tokens 6
    --data.max_len 64
    --rollout.temperature 1.0
@@ -57,6 +58,7 @@ args=(
    --ds.param_dtype bf16
    --ds.attn_implementation sdpa
    --train.seed 42
+   --ckpt.best_metric_key none
    --ckpt.output_dir "$RUN_DIR/ckpt"
    --ckpt.path "$RUN_DIR/ckpt/checkpoints"
    --logger.tensorboard_dir "$RUN_DIR/tensorboard"
