@@ -109,14 +109,27 @@ def run_once(key: str, seed: int, steps: int, run_dir: str, world: str) -> Dict:
 # ------------------------------------------------------------------------------------------------ measures
 
 
-def auc_steps(run: Dict) -> float:
-    """Mean eval accuracy over the run's evals (equally spaced in steps): the area under accuracy-vs-step."""
-    return statistics.mean(v for *_, v in run["eval"])
+def common_steps(results: Dict[str, List[Dict]]) -> List[int]:
+    """The eval steps every run has (an async run can end before its last eval: upstream's async trainer stops when
+    the prompts run out, before the eval of the final step)."""
+    steps = [set(int(e[0]) for e in r["eval"]) for runs in results.values() for r in runs]
+    return sorted(set.intersection(*steps)) if steps else []
 
 
-def final_acc(run: Dict, last: int = 2) -> float:
-    """Mean of the last ``last`` evals (one eval has a sampling error of about 0.014 at 0.2 over 788 samples)."""
-    return statistics.mean(v for *_, v in run["eval"][-last:])
+def _at(run: Dict, steps: Optional[List[int]]) -> List[float]:
+    return [e[3] for e in run["eval"] if steps is None or int(e[0]) in steps]
+
+
+def auc_steps(run: Dict, steps: Optional[List[int]] = None) -> float:
+    """Mean eval accuracy over the evals at ``steps`` (default: all; they are equally spaced): the area under
+    accuracy-vs-step."""
+    return statistics.mean(_at(run, steps))
+
+
+def final_acc(run: Dict, last: int = 2, steps: Optional[List[int]] = None) -> float:
+    """Mean of the last ``last`` evals among ``steps`` (one eval has a sampling error of about 0.014 at 0.2 over
+    788 samples)."""
+    return statistics.mean(_at(run, steps)[-last:])
 
 
 def auc_wall(run: Dict, horizon: float, start_value: float, column: int = 2) -> float:
@@ -143,14 +156,18 @@ def _span(values: List[float], fmt: str = "{:.3f}") -> str:
 
 
 def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_value: float) -> None:
+    steps = common_steps(results)
     sync = results.get("sync | none", [])
-    target = statistics.mean(final_acc(r) for r in sync) if sync else None
+    target = statistics.mean(final_acc(r, steps=steps) for r in sync) if sync else None
     horizon = min(r["eval"][-1][2] for runs in results.values() for r in runs if r["eval"])
+    commands = sorted({r.get("command", command) for runs in results.values() for r in runs})
     lines = [
         "# The decisive grid on the verifiable task: raw results",
         "",
-        f"Command: `{command}`. Eval: held-out exact-match accuracy of the current weights (197 prompts x 4 samples "
-        "at temperature 1). AUC (steps) = mean of the evals; final = mean of the last two evals; AUC (wall) = mean "
+        f"Command{'s' if len(commands) > 1 else ''}: {', '.join(f'`{c}`' for c in commands)}. "
+        "Eval: held-out exact-match accuracy of the current weights (197 prompts x 4 samples "
+        "at temperature 1). AUC (steps) = mean of the evals at the steps every run has "
+        f"({', '.join(map(str, steps))}); final = mean of the last two of them; AUC (wall) = mean "
         f"accuracy over the first {horizon:.0f} s after the first step's log (the shortest run's last eval), "
         f"{start_value:.3f} (the warm start) before a run's first eval; time to sync = seconds after the first "
         f"step's log at the first eval ≥ sync's mean final accuracy"
@@ -165,20 +182,27 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
         reach = [t for t in (time_to(r, target) for r in runs) if t is not None] if target is not None else []
         never = len(runs) - len(reach)
         lags = [r["lag_mean"] for r in runs if r["lag_mean"] is not None]
-        lines.append(
-            f"| {key} | {len(runs)} | {_span([auc_steps(r) for r in runs])} | {_span([final_acc(r) for r in runs])} | "
-            f"{_span([auc_wall(r, horizon, start_value) for r in runs])} | "
-            f"{_span(reach, '{:.0f}')}{f' ({never} never)' if never else ''} | "
-            f"{_span([r['first_step_s'] for r in runs], '{:.0f}')} | {_span([r['wall_s'] for r in runs], '{:.0f}')} | "
-            + (f"{statistics.mean(lags):.2f} |" if lags else "not logged |")
-        )
+        cells = [
+            key.replace(" | ", ": "),
+            str(len(runs)),
+            _span([auc_steps(r, steps) for r in runs]),
+            _span([final_acc(r, steps=steps) for r in runs]),
+            _span([auc_wall(r, horizon, start_value) for r in runs]),
+            _span(reach, "{:.0f}") + (f" ({never} never)" if never else ""),
+            _span([r["first_step_s"] for r in runs], "{:.0f}"),
+            _span([r["wall_s"] for r in runs], "{:.0f}"),
+            f"{statistics.mean(lags):.2f}" if lags else ("0" if key.startswith("sync") else "not logged"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Every seed: eval accuracy at each eval step (seconds since the first step's log)", ""]
     for key, runs in results.items():
-        lines.append(f"**{key}**")
+        lines.append(f"**{key.replace(' | ', ': ')}**")
         lines.append("")
         for r in sorted(runs, key=lambda r: r["seed"]):
             cells = ", ".join(f"{int(s)}: {v:.3f} ({t:.0f} s)" for s, _, t, v in r["eval"])
-            lines.append(f"- seed {r['seed']}: {cells}; AUC {auc_steps(r):.3f}, final {final_acc(r):.3f}")
+            lines.append(
+                f"- seed {r['seed']}: {cells}; AUC {auc_steps(r, steps):.3f}, final {final_acc(r, steps=steps):.3f}"
+            )
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
@@ -279,6 +303,7 @@ def main() -> None:
                 slug = slug.replace(")", "")
                 t0 = time.time()
                 run = run_once(key, seed, a.steps, os.path.join(a.workdir, slug), world)
+                run["command"] = command
                 results.setdefault(key, []).append(run)
                 print(
                     f"[rlvr_grid] {key} seed {seed}: final {final_acc(run):.3f}, AUC {auc_steps(run):.3f} "

@@ -1,0 +1,96 @@
+"""The RLVR grid's measures (benchmarks/rlvr_grid.py) on hand-made eval curves, each checked against a value worked
+out by hand; its configuration names against the staleness grid's; and the search's GRPO advantages."""
+
+import pytest
+
+from benchmarks import rlvr_grid
+
+
+def _run(points, seed=0):
+    # eval rows: [step, s since launch, s since the first step's log, accuracy]
+    return {"eval": [[s, t + 60.0, t, v] for s, t, v in points], "seed": seed}
+
+
+RUN = _run([(25, 10.0, 0.2), (50, 20.0, 0.3), (75, 30.0, 0.4), (100, 40.0, 0.5)])
+
+
+def test_auc_over_steps_is_the_mean_of_the_evals():
+    assert rlvr_grid.auc_steps(RUN) == pytest.approx((0.2 + 0.3 + 0.4 + 0.5) / 4)
+
+
+def test_final_accuracy_is_the_mean_of_the_last_two_evals():
+    assert rlvr_grid.final_acc(RUN) == pytest.approx(0.45)
+    assert rlvr_grid.final_acc(RUN, last=1) == pytest.approx(0.5)
+
+
+def test_auc_against_wall_clock_holds_each_value_until_the_next_eval():
+    # [0, 10) at the start value 0.1, [10, 20) 0.2, [20, 30) 0.3, [30, 35) 0.4 -> area 1 + 2 + 3 + 2 = 8 over 35 s
+    assert rlvr_grid.auc_wall(RUN, horizon=35.0, start_value=0.1) == pytest.approx(8.0 / 35.0)
+    # past the last eval its value holds: [0, 40) as above (10 * (0.1 + 0.2 + 0.3 + 0.4) = 10) + [40, 50) 0.5
+    assert rlvr_grid.auc_wall(RUN, horizon=50.0, start_value=0.1) == pytest.approx(15.0 / 50.0)
+    # on the since-launch column every eval is 60 s later: [0, 70) 0.1, [70, 80) 0.2 -> (7 + 2) / 80
+    assert rlvr_grid.auc_wall(RUN, horizon=80.0, start_value=0.1, column=1) == pytest.approx(9.0 / 80.0)
+
+
+def test_time_to_a_threshold_is_the_first_eval_that_reaches_it():
+    assert rlvr_grid.time_to(RUN, 0.35) == 30.0
+    assert rlvr_grid.time_to(RUN, 0.3) == 20.0  # reached exactly counts
+    assert rlvr_grid.time_to(RUN, 0.6) is None
+    assert rlvr_grid.time_to(RUN, 0.35, column=1) == 90.0
+
+
+def test_configurations_are_named_as_in_the_staleness_grid():
+    from benchmarks.staleness import config_flags
+
+    for key in rlvr_grid.DEFAULT_CONFIGS:
+        level, name = rlvr_grid.parse_config(key)
+        assert config_flags(level, name) is not None
+    assert rlvr_grid.parse_config("async q8 + partial | VCPO (recipe)") == ("async q8 + partial", "VCPO (recipe)")
+    with pytest.raises(ValueError, match="expected '<level> | <correction>'"):
+        rlvr_grid.parse_config("async q8 | TIS")
+
+
+def test_the_table_lists_every_seed(tmp_path):
+    results = {
+        "sync | none": [_run([(25, 10.0, 0.2), (50, 20.0, 0.4)], seed=s) for s in (0, 1)],
+        "async q8 + partial | TIS": [_run([(25, 5.0, 0.35), (50, 10.0, 0.45)], seed=0)],
+    }
+    for runs in results.values():
+        for r in runs:
+            r.update(lag_mean=None, first_step_s=60.0, wall_s=100.0)
+    path = tmp_path / "results.md"
+    rlvr_grid.write_table(results, str(path), "python -m benchmarks.rlvr_grid", start_value=0.1)
+    text = path.read_text()
+    # sync's final = 0.3 (both seeds): async reaches it at its first eval, 5 s after its first step; over the
+    # shortest run's 10 s async holds 0.1 for 5 s and 0.35 for 5 s (AUC 0.225), sync 0.1 throughout
+    assert (
+        "| async q8 + partial: TIS | 1 | 0.400 [0.400, 0.400] | 0.400 [0.400, 0.400] | 0.225 [0.225, 0.225] "
+        "| 5 [5, 5] |" in text
+    )
+    assert (
+        "| sync: none | 2 | 0.300 [0.300, 0.300] | 0.300 [0.300, 0.300] | 0.100 [0.100, 0.100] | 20 [20, 20] |" in text
+    )
+    assert "- seed 0: 25: 0.200 (10 s), 50: 0.400 (20 s)" in text and "- seed 1:" in text
+
+
+def test_the_search_uses_grpo_advantages_worked_by_hand():
+    import torch
+
+    from benchmarks.rlvr_search import grpo_advantages
+
+    # one right of four: mean 0.25, sample std sqrt((0.75² + 3 · 0.25²) / 3) = 0.5 -> (1.5, −0.5, −0.5, −0.5);
+    # a group all wrong carries no signal
+    adv = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    assert torch.allclose(adv, torch.tensor([[1.5, -0.5, -0.5, -0.5], [0.0, 0.0, 0.0, 0.0]]), atol=1e-6)
+    centred = grpo_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), normalize=False)
+    assert torch.allclose(centred, torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
+
+
+def test_measures_compare_runs_on_the_eval_steps_they_share():
+    # an async run that ended before its last eval (100): the comparison uses steps 25-75 for every run
+    short = _run([(25, 10.0, 0.1), (50, 20.0, 0.2), (75, 30.0, 0.3)])
+    steps = rlvr_grid.common_steps({"a": [RUN], "b": [short]})
+    assert steps == [25, 50, 75]
+    assert rlvr_grid.auc_steps(RUN, steps) == pytest.approx((0.2 + 0.3 + 0.4) / 3)
+    assert rlvr_grid.final_acc(RUN, steps=steps) == pytest.approx(0.35)
+    assert rlvr_grid.final_acc(short, steps=steps) == pytest.approx(0.25)
