@@ -19,6 +19,8 @@ def _flags(path):
     # line, upstream's layout
     for sourced in re.findall(r'source "\$\(dirname "\$\{BASH_SOURCE\[0\]\}"\)/([\w.]+)"', text):
         text += open(os.path.join(os.path.dirname(path), sourced)).read()
+    for sourced in re.findall(r"source (examples/scripts/[\w.]+)", text):  # a tiny script, after its cd to the repo
+        text += open(os.path.join(REPO, sourced)).read()
     bodies = re.findall(r"\w*args=\((.*?)\n\)", text, re.S)
     assert bodies, f"{path}: no args=( ... ) array"
     lines = [ln.split("#")[0] for body in bodies for ln in body.splitlines()]
@@ -36,7 +38,13 @@ def test_script_is_valid_bash(script):
     assert run.returncode == 0, run.stderr
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=os.path.basename)
+# scripts that run a benchmark, not the CLI: their arguments are the benchmark's (checked by its own parser)
+BENCHMARK_SCRIPTS = {"compare_tiny_cpu.sh": "benchmarks.rlvr_grid"}
+
+
+@pytest.mark.parametrize(
+    "script", [s for s in SCRIPTS if os.path.basename(s) not in BENCHMARK_SCRIPTS], ids=os.path.basename
+)
 def test_script_flags_are_accepted(script):
     known = {opt for a in build_parser()._actions for opt in a.option_strings}
     flags = _flags(script)
@@ -101,3 +109,16 @@ def test_benchmark_configs_pass_validation(tiny_world, tmp_path, name, flags):
     from tests.helpers.e2e import tiny_args
 
     parse_args(tiny_args(tiny_world, str(tmp_path)) + flags)
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARK_SCRIPTS))
+def test_benchmark_script_names_real_configurations(name):
+    from benchmarks import rlvr_grid
+
+    text = open(os.path.join(REPO, "examples", "scripts", name)).read()
+    assert f"python -m {BENCHMARK_SCRIPTS[name]} " in text
+    default = re.search(r"CORRECTED=\$\{CORRECTED:-([^}]+)\}", text).group(1)
+    configs = re.findall(r'"((?:sync|async q\d+ \+ partial) \| [^"$]+)"', text)
+    assert len(configs) == 2, configs
+    for key in configs + [f"async q8 + partial | {default}"]:
+        rlvr_grid.parse_config(key)  # raises on a name the grid does not know

@@ -14,6 +14,7 @@ source scripts/env_cpu.sh
 
 RUN_DIR=${RUN_DIR:-$ROOT/runs/tiny_cpu}
 WORLD=$RUN_DIR/world
+source examples/scripts/_tiny_cpu_base.sh
 mkdir -p "$RUN_DIR"
 python -m openrlhf_ess.tiny.world "$WORLD" --seed 0 --n_prompts ${N_PROMPTS:-64} > "$RUN_DIR/world.json"
 
@@ -25,16 +26,6 @@ args=(
    --reward.remote_url "$ROOT/openrlhf_ess/tiny/reward.py"
    --algo.advantage.estimator reinforce_baseline
    --algo.kl.init_coef 0
-   --actor.num_nodes 1
-   --actor.num_gpus_per_node 1
-   --vllm.num_engines 1
-   --vllm.tensor_parallel_size 1
-   # start in seconds, not minutes: an eager engine (vLLM CPU's torch.compile warm-up took ~70 s of the demo's
-   # start, for a model this small) and a 64 MiB KV cache (the default 1 GiB took 5-11 s to zero; 64 MiB holds
-   # 65,536 tokens, far more than 32 sequences of 64). GPU recipes keep vLLM's defaults: compiled CUDA graphs and
-   # a KV cache sized by --vllm.gpu_memory_utilization.
-   --vllm.enforce_eager
-   --vllm.cpu_kv_cache_gb 0.0625
    --rollout.batch_size 8
    --rollout.n_samples_per_prompt 4
    --rollout.micro_batch_size 8
@@ -45,21 +36,16 @@ args=(
    --rollout.temperature 1.0
    --train.num_episodes ${EPISODES:-12}
    --actor.adam.lr 1e-3
-   --actor.lr_warmup_ratio 0
-   --actor.lr_scheduler constant
-   --ds.zero_stage 2
-   --ds.param_dtype bf16
-   --ds.attn_implementation sdpa
    --train.seed 42
    --train.async_enable
    --train.partial_rollout_enable
    --train.async_queue_size 2
    --algo.tis_cap 2
    --algo.ess_lr_enable
-   --ckpt.output_dir "$RUN_DIR/ckpt"
-   --ckpt.path "$RUN_DIR/ckpt/checkpoints"
-   --logger.tensorboard_dir "$RUN_DIR/tensorboard"
    --logger.wandb.run_name tiny_cpu
+   "${tiny_engine_args[@]}"
+   "${tiny_deepspeed_args[@]}"
+   "${tiny_output_args[@]}"
 )
 
 rm -rf "$RUN_DIR/tensorboard"
