@@ -51,6 +51,31 @@ def run_flags(a: argparse.Namespace, world: dict, run_dir: str, prompts: int) ->
     return flags + a.extra.split()
 
 
+def scalar_events(tb_dir: str, tag: str) -> List[tuple]:
+    """[(step, wall_time, value), ...] of ``tag`` from every event file under ``tb_dir``, in step order (wall_time:
+    when the run logged it, Unix seconds)."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = []
+    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            events.extend((e.step, e.wall_time, e.value) for e in acc.Scalars(tag))
+    return sorted(events)
+
+
+def span(values: List[float], fmt: str = "{:.3f}") -> str:
+    """ "mean [min, max]" of ``values`` in ``fmt``; "–" when there are none."""
+    if not values:
+        return "–"
+    import statistics
+
+    return f"{fmt.format(statistics.mean(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
+
+
 def peak_allocated_bytes(fn) -> int:
     """The largest sum of live CPU allocations while ``fn`` runs: every allocation and free torch makes, from
     torch.profiler's memory events in time order (what was allocated before the call, e.g. weights, is not

@@ -21,7 +21,6 @@ final accuracy, AUC against wall-clock over a common horizon, seconds to sync's 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shlex
@@ -34,6 +33,8 @@ from typing import Dict, List, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from benchmarks.common import scalar_events  # noqa: E402
+from benchmarks.common import span as _span  # noqa: E402
 from benchmarks.staleness import ALL_CORRECTIONS, STALENESS, config_flags  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "examples", "scripts", "train_rlvr_tiny_cpu.sh")
@@ -57,25 +58,12 @@ def parse_config(key: str):
     return level, name
 
 
-def _events(tb_dir: str, tag: str):
-    """[(step, wall_time, value)] of ``tag`` under ``tb_dir``, in step order."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = []
-    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            out.extend((e.step, e.wall_time, e.value) for e in acc.Scalars(tag))
-    return sorted(out)
-
-
 def read_run(tb_dir: str, launched: float) -> Dict:
     """One run's curves from its event files: eval as [step, s since launch, s since step 1 was logged, value]."""
-    reward = _events(tb_dir, "train/reward")
+    reward = scalar_events(tb_dir, "train/reward")
     first = reward[0][1] if reward else launched
-    evals = [[s, w - launched, w - first, v] for s, w, v in _events(tb_dir, EVAL)]
-    lag = [v for _, _, v in _events(tb_dir, "train/version_lag/mean")]
+    evals = [[s, w - launched, w - first, v] for s, w, v in scalar_events(tb_dir, EVAL)]
+    lag = [v for _, _, v in scalar_events(tb_dir, "train/version_lag/mean")]
     return {
         "eval": evals,
         "reward": [[s, v] for s, _, v in reward],
@@ -147,12 +135,6 @@ def auc_wall(run: Dict, horizon: float, start_value: float, column: int = 2) -> 
 def time_to(run: Dict, threshold: float, column: int = 2) -> Optional[float]:
     """Seconds (since the first step's log) at the first eval whose accuracy reaches ``threshold``; None: never."""
     return next((e[column] for e in run["eval"] if e[3] >= threshold), None)
-
-
-def _span(values: List[float], fmt: str = "{:.3f}") -> str:
-    if not values:
-        return "–"
-    return f"{fmt.format(statistics.mean(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
 
 
 def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_value: float) -> None:
@@ -310,10 +292,8 @@ def main() -> None:
                     f"({time.time() - t0:.0f} s)",
                     flush=True,
                 )
-                with open(results_path, "w") as f:
+                with open(results_path, "w") as f:  # after every run: a grid cut short keeps what it measured
                     json.dump({"_warm_start_accuracy": start_value, **results}, f)
-    with open(results_path, "w") as f:
-        json.dump({"_warm_start_accuracy": start_value, **results}, f)
     for path in render(results, a.out, command, start_value):
         print(f"[rlvr_grid] wrote {path}")
 

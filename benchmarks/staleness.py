@@ -35,8 +35,9 @@ from typing import Dict, List
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.common import add_model_arguments, check_model_arguments, world_for  # noqa: E402
+from benchmarks.common import add_model_arguments, check_model_arguments, scalar_events, world_for  # noqa: E402
 from benchmarks.common import run_flags as common_flags  # noqa: E402
+from benchmarks.common import span as _span  # noqa: E402
 from openrlhf_ess.tools.summary import read_scalars  # noqa: E402
 
 TIS = ["--algo.tis_cap", "2"]
@@ -237,17 +238,7 @@ class EngineSide:
 
 def reward_vs_wall(tb_dir: str, t0: float) -> List[List[float]]:
     """[(seconds since launch, reward), ...] in step order, from the event files' wall times."""
-    import glob
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = []
-    for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        if "train/reward" in acc.Tags()["scalars"]:
-            events.extend((e.step, e.wall_time - t0, e.value) for e in acc.Scalars("train/reward"))
-    return [[wall, value] for _, wall, value in sorted(events)]
+    return [[wall - t0, value] for _, wall, value in scalar_events(tb_dir, "train/reward")]
 
 
 def final_reward(curve, window: int) -> float:
@@ -283,10 +274,6 @@ def distance_stats(fractions: List[float], target: float, window: int, near: flo
     final = statistics.mean(abs(d) for d in dist[-window:])
     start = statistics.mean(abs(d) for d in dist[:4])
     return {"final": final, "start": start, "overshoot": overshoot, "reach": reach, "diverged": int(final > start)}
-
-
-def _span(values: List[float], fmt: str = "{:.3f}") -> str:
-    return f"{fmt.format(statistics.mean(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
 
 
 def _lag_cell(level: str, runs: List[dict]) -> str:

@@ -1,5 +1,6 @@
 """The RLVR grid's measures (benchmarks/rlvr_grid.py) on hand-made eval curves, each checked against a value worked
-out by hand; its configuration names against the staleness grid's; and the search's GRPO advantages."""
+out by hand; its configuration names against the staleness grid's; the search's GRPO advantages; and the event
+reader both grids share."""
 
 import pytest
 
@@ -94,3 +95,20 @@ def test_measures_compare_runs_on_the_eval_steps_they_share():
     assert rlvr_grid.auc_steps(RUN, steps) == pytest.approx((0.2 + 0.3 + 0.4) / 3)
     assert rlvr_grid.final_acc(RUN, steps=steps) == pytest.approx(0.35)
     assert rlvr_grid.final_acc(short, steps=steps) == pytest.approx(0.25)
+
+
+def test_scalar_events_read_steps_wall_times_and_values_in_step_order(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from benchmarks.common import scalar_events
+    from benchmarks.staleness import reward_vs_wall
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step, wall, value in ((2, 1000.5, 0.25), (1, 1000.0, 0.5), (3, 1002.0, 0.75)):  # logged out of order
+        writer.add_scalar("train/reward", value, step, walltime=wall)
+    writer.add_scalar("eval/other", 9.0, 1, walltime=999.0)
+    writer.close()
+    events = scalar_events(str(tmp_path / "tb"), "train/reward")
+    assert [(s, pytest.approx(w), v) for s, w, v in events] == [(1, 1000.0, 0.5), (2, 1000.5, 0.25), (3, 1002.0, 0.75)]
+    assert scalar_events(str(tmp_path / "tb"), "missing") == []
+    assert reward_vs_wall(str(tmp_path / "tb"), t0=1000.0) == [[0.0, 0.5], [0.5, 0.25], [2.0, 0.75]]
