@@ -12,9 +12,10 @@ Runs go one after another, seeds outermost, so a grid cut short still holds ever
 it finished. The cores are shared by every process of a run, as a user's single machine shares them.
 
 Writes into ``--out``: ``results.json`` (per run: the eval curve as [step, seconds since launch, seconds since
-the first step's log, accuracy], the training reward per step, the mean version lag, the wall time),
-``results.md`` (per configuration and seed: eval accuracy at each eval, mean eval accuracy = AUC over steps,
-final accuracy, AUC against wall-clock over a common horizon, seconds to sync's final accuracy) and
+the first step's log, accuracy], the training reward per step, the mean version lag, the mean seconds per step of
+each timed phase, the wall time), ``results.md`` (per configuration and seed: eval accuracy at each eval, mean eval
+accuracy = AUC over steps, final accuracy, AUC against wall-clock over a common horizon, seconds to sync's final
+accuracy; per configuration: where a step's time goes) and
 ``eval_steps.png`` / ``eval_wall.png``. The reading is written by hand in docs/rlvr_grid.md.
 """
 
@@ -69,7 +70,31 @@ def read_run(tb_dir: str, launched: float) -> Dict:
         "reward": [[s, v] for s, _, v in reward],
         "lag_mean": statistics.mean(lag) if lag else None,
         "first_step_s": first - launched,
+        "timing": read_timing(tb_dir),
     }
+
+
+# Upstream's per-step timing (train/timing/*). Sync: the phases run one after another and step_total is their sum.
+# Async: "generation" is the generator's time for that batch, overlapping training; step_total is the trainer's
+# wall-clock per step, queue wait included; "broadcast" holds the engine paused (partial rollouts) for the sync.
+PHASES = ("generation", "make_experience", "ppo_train", "broadcast", "step_total")
+WARMUP_STEPS = 5  # the first steps (engine and optimizer warm-up, a queue filling) are left out of the means
+
+
+def read_timing(tb_dir: str) -> Dict[str, float]:
+    """Mean seconds per step of each phase of :data:`PHASES`, over the steps after :data:`WARMUP_STEPS`."""
+    out = {}
+    for phase in PHASES:
+        values = [v for s, _, v in scalar_events(tb_dir, f"train/timing/{phase}") if s > WARMUP_STEPS]
+        if values:
+            out[phase] = statistics.mean(values)
+    return out
+
+
+def run_dir_name(key: str, seed: int) -> str:
+    """The run's folder under --workdir: "async q8 + partial | TIS", 0 -> "async_q8_p_partial__TIS_s0"."""
+    slug = f"{key}_s{seed}".replace(" | ", "__").replace(" ", "_").replace("+", "p").replace("(", "")
+    return slug.replace(")", "")
 
 
 def run_once(key: str, seed: int, steps: int, run_dir: str, world: str) -> Dict:
@@ -176,6 +201,7 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
             f"{statistics.mean(lags):.2f}" if lags else ("0" if key.startswith("sync") else "not logged"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += time_table(results)
     lines += ["", "## Every seed: eval accuracy at each eval step (seconds since the first step's log)", ""]
     for key, runs in results.items():
         lines.append(f"**{key.replace(' | ', ': ')}**")
@@ -190,6 +216,30 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
         f.write("\n".join(lines))
 
 
+def time_table(results: Dict[str, List[Dict]]) -> List[str]:
+    """Where a step's time goes: upstream's phase timings, mean [min, max] over seeds of each run's mean per step."""
+    timed = {k: [r["timing"] for r in runs if r.get("timing")] for k, runs in results.items()}
+    if not any(timed.values()):
+        return []
+    lines = [
+        "",
+        "## Where a step's time goes (seconds per step)",
+        "",
+        f"Upstream's `train/timing/*`, each run's mean over the steps after step {WARMUP_STEPS}. Sync runs the "
+        "phases one after another (step = their sum). Async overlaps generation with the trainer's phases: "
+        "generation is the generator's time for one batch, step is the trainer's wall-clock per step (its wait "
+        "for the queue included), and broadcast is the weight sync with the engine paused (partial rollouts).",
+        "",
+        "| configuration | runs | generation | make experience | train | broadcast | step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, timings in timed.items():
+        if timings:
+            cells = [_span([t[p] for t in timings if p in t]) for p in PHASES]
+            lines.append(f"| {key.replace(' | ', ': ')} | {len(timings)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def plot(results: Dict[str, List[Dict]], out: str, start_value: float) -> List[str]:
     import matplotlib
 
@@ -201,7 +251,7 @@ def plot(results: Dict[str, List[Dict]], out: str, start_value: float) -> List[s
         ("eval_steps.png", 0, "training step"),
         ("eval_wall.png", 2, "seconds since the first training step was logged"),
     ):
-        fig, ax = plt.subplots(figsize=(7.5, 4.8))
+        fig, ax = plt.subplots(figsize=(10.5, 4.8))
         for i, (key, runs) in enumerate(results.items()):
             color = f"C{i}"
             for r in runs:  # every seed, thin
@@ -220,7 +270,7 @@ def plot(results: Dict[str, List[Dict]], out: str, start_value: float) -> List[s
         ax.set_ylabel("held-out accuracy (exact match, T = 1)")
         ax.set_title("Held-out accuracy of the current policy: mean (thick) and every seed (thin)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: no curve hidden
         fig.tight_layout()
         path = os.path.join(out, name)
         fig.savefig(path, dpi=110)
@@ -250,6 +300,11 @@ def render(results, out, command, start_value) -> List[str]:
     return [os.path.join(out, "results.md")] + plot(results, out, start_value)
 
 
+def save(path: str, start_value: float, results: Dict[str, List[Dict]]) -> None:
+    with open(path, "w") as f:
+        json.dump({"_warm_start_accuracy": start_value, **results}, f)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
@@ -276,15 +331,22 @@ def main() -> None:
     if start_value is None:
         start_value = warm_start_accuracy(world)
     command = "python -m benchmarks.rlvr_grid " + shlex.join(sys.argv[1:])
+    backfilled = False
+    for key, runs in results.items():  # runs recorded before the timing was: read from their folders, if kept
+        for r in runs:
+            tb_dir = os.path.join(a.workdir, run_dir_name(key, r["seed"]), "tensorboard")
+            if "timing" not in r and os.path.isdir(tb_dir):
+                r["timing"] = read_timing(tb_dir)
+                backfilled = True
+    if backfilled:
+        save(results_path, start_value, results)
     if not a.from_json:
         for seed in range(a.first_seed, a.seeds):
             for key in a.configs:
                 if any(r["seed"] == seed for r in results.get(key, [])):
                     continue  # already measured (a resumed grid)
-                slug = f"{key}_s{seed}".replace(" | ", "__").replace(" ", "_").replace("+", "p").replace("(", "")
-                slug = slug.replace(")", "")
                 t0 = time.time()
-                run = run_once(key, seed, a.steps, os.path.join(a.workdir, slug), world)
+                run = run_once(key, seed, a.steps, os.path.join(a.workdir, run_dir_name(key, seed)), world)
                 run["command"] = command
                 results.setdefault(key, []).append(run)
                 print(
@@ -292,8 +354,7 @@ def main() -> None:
                     f"({time.time() - t0:.0f} s)",
                     flush=True,
                 )
-                with open(results_path, "w") as f:  # after every run: a grid cut short keeps what it measured
-                    json.dump({"_warm_start_accuracy": start_value, **results}, f)
+                save(results_path, start_value, results)  # after every run: a grid cut short keeps what it measured
     for path in render(results, a.out, command, start_value):
         print(f"[rlvr_grid] wrote {path}")
 

@@ -112,3 +112,40 @@ def test_scalar_events_read_steps_wall_times_and_values_in_step_order(tmp_path):
     assert [(s, pytest.approx(w), v) for s, w, v in events] == [(1, 1000.0, 0.5), (2, 1000.5, 0.25), (3, 1002.0, 0.75)]
     assert scalar_events(str(tmp_path / "tb"), "missing") == []
     assert reward_vs_wall(str(tmp_path / "tb"), t0=1000.0) == [[0.0, 0.5], [0.5, 0.25], [2.0, 0.75]]
+
+
+def test_phase_timing_is_the_mean_after_the_warm_up_steps(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    # steps 1..5 (warm-up, left out) at 9 s; steps 6..9 generation 0.5, 0.7, 0.5, 0.7 -> 0.6; broadcast once only
+    for step in range(1, 10):
+        writer.add_scalar("train/timing/generation", 9.0 if step <= 5 else (0.5 if step % 2 == 0 else 0.7), step)
+    writer.add_scalar("train/timing/broadcast", 0.25, 7)
+    writer.close()
+    assert rlvr_grid.WARMUP_STEPS == 5
+    timing = rlvr_grid.read_timing(str(tmp_path / "tb"))
+    assert timing == {"generation": pytest.approx(0.6), "broadcast": pytest.approx(0.25)}
+
+
+def test_the_time_table_spans_the_seeds_of_each_phase():
+    phases = ("generation", "make_experience", "ppo_train", "broadcast", "step_total")
+    results = {
+        "sync | none": [
+            {"timing": dict(zip(phases, (0.4, 0.1, 0.1, 0.0, 0.6)))},
+            {"timing": dict(zip(phases, (0.6, 0.1, 0.3, 0.2, 1.2)))},
+        ],
+        "async q2 + partial | TIS": [{"eval": []}],  # recorded without timing: no row
+    }
+    lines = rlvr_grid.time_table(results)
+    assert (
+        "| sync: none | 2 | 0.500 [0.400, 0.600] | 0.100 [0.100, 0.100] | 0.200 [0.100, 0.300] | "
+        "0.100 [0.000, 0.200] | 0.900 [0.600, 1.200] |" in lines
+    )
+    assert not any(line.startswith("| async q2") for line in lines)
+    assert rlvr_grid.time_table({"sync | none": [{"eval": []}]}) == []
+
+
+def test_run_folders_are_named_from_the_configuration_and_seed():
+    assert rlvr_grid.run_dir_name("async q8 + partial | VCPO (recipe)", 3) == "async_q8_p_partial__VCPO_recipe_s3"
+    assert rlvr_grid.run_dir_name("sync | none", 0) == "sync__none_s0"
