@@ -36,7 +36,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.common import scalar_events  # noqa: E402
 from benchmarks.common import span as _span  # noqa: E402
-from benchmarks.staleness import ALL_CORRECTIONS, STALENESS, config_flags  # noqa: E402
+from benchmarks.staleness import ALL_CORRECTIONS, STALENESS, EngineSide, config_flags, pin_training_side  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "examples", "scripts", "train_rlvr_tiny_cpu.sh")
 EVAL = "eval/eval_default_pass1"
@@ -97,16 +97,26 @@ def run_dir_name(key: str, seed: int) -> str:
     return slug.replace(")", "")
 
 
-def run_once(key: str, seed: int, steps: int, run_dir: str, world: str) -> Dict:
+def run_once(key: str, seed: int, steps: int, run_dir: str, world: str, pin_engine_core: bool = False) -> Dict:
     level, name = parse_config(key)
     flags = config_flags(level, name) + ["--train.seed", str(42 + seed)]
     env = {**os.environ, "SEED": "0", "STEPS": str(steps), "RUN_DIR": run_dir, "WORLD": world, "WANDB_MODE": "offline"}
     os.makedirs(run_dir, exist_ok=True)
+    preexec = pin_training_side(env) if pin_engine_core else None
     launched = time.time()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        rc = subprocess.run(
-            ["bash", SCRIPT, *flags], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
-        ).returncode
+        proc = subprocess.Popen(
+            ["bash", SCRIPT, *flags], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec
+        )
+        pinner = EngineSide(proc.pid).start() if pin_engine_core else None
+        try:
+            rc = proc.wait()
+        finally:
+            if pinner is not None:
+                pinner.stop()
+    if pinner is not None:
+        with open(os.path.join(run_dir, "pinned.txt"), "w") as f:
+            f.write("\n".join(pinner.pinned) + "\n")
     if rc != 0:
         raise RuntimeError(f"{key} seed {seed} failed ({rc}): see {run_dir}/log.txt")
     run = read_run(os.path.join(run_dir, "tensorboard"), launched)
@@ -311,6 +321,12 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0, help="resume a grid: seeds first-seed..seeds-1")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run (32 prompts each)")
     parser.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS, help="'<staleness level> | <correction>'")
+    parser.add_argument(
+        "--pin-engine-core",
+        action="store_true",
+        help="the engine on core 0, everything else on the other cores (as on separate devices); results go to "
+        "--out's pinned/ and the run folders end in _pinned",
+    )
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "rlvr_grid"))
     parser.add_argument("--workdir", default=os.path.join(REPO, "runs", "rlvr_grid"))
     parser.add_argument("--from-json", action="store_true", help="only re-render from --out's results.json")
@@ -320,13 +336,16 @@ def main() -> None:
             parse_config(key)
         except ValueError as e:
             parser.error(f"--configs {e}")
+    world = os.path.join(a.workdir, "world")  # one warm start, pinned or not
+    suffix = "_pinned" if a.pin_engine_core else ""
+    if a.pin_engine_core:
+        a.out = os.path.join(a.out, "pinned")
     os.makedirs(a.out, exist_ok=True)
     results_path = os.path.join(a.out, "results.json")
     results: Dict[str, List[Dict]] = {}
     if os.path.exists(results_path):
         with open(results_path) as f:
             results = json.load(f)
-    world = os.path.join(a.workdir, "world")
     start_value = results.pop("_warm_start_accuracy", None)
     if start_value is None:
         start_value = warm_start_accuracy(world)
@@ -334,7 +353,7 @@ def main() -> None:
     backfilled = False
     for key, runs in results.items():  # runs recorded before the timing was: read from their folders, if kept
         for r in runs:
-            tb_dir = os.path.join(a.workdir, run_dir_name(key, r["seed"]), "tensorboard")
+            tb_dir = os.path.join(a.workdir, run_dir_name(key, r["seed"]) + suffix, "tensorboard")
             if "timing" not in r and os.path.isdir(tb_dir):
                 r["timing"] = read_timing(tb_dir)
                 backfilled = True
@@ -346,7 +365,8 @@ def main() -> None:
                 if any(r["seed"] == seed for r in results.get(key, [])):
                     continue  # already measured (a resumed grid)
                 t0 = time.time()
-                run = run_once(key, seed, a.steps, os.path.join(a.workdir, run_dir_name(key, seed)), world)
+                run_dir = os.path.join(a.workdir, run_dir_name(key, seed) + suffix)
+                run = run_once(key, seed, a.steps, run_dir, world, a.pin_engine_core)
                 run["command"] = command
                 results.setdefault(key, []).append(run)
                 print(

@@ -157,17 +157,7 @@ def run_once(a, world: dict, flags: List[str], run_dir: str, seed: int) -> Dict[
     cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray", *run_flags(a, world, run_dir, seed), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "offline"}
     t0 = time.time()
-    preexec = None
-    if a.pin_engine_core:
-        # The engine side on core 0, the training side on the others. The CLI and what it starts (the driver, Ray,
-        # the DeepSpeed trainer, the controllers) inherit the cores but 0; the vLLM CPU worker binds itself to
-        # core 0 (VLLM_CPU_OMP_THREADS_BIND=0: "core ids=[0]" in the log; "auto" would pick from the inherited
-        # cores), and EngineSide moves the rest of the engine (the Ray engine actor with vLLM's front end, and its
-        # EngineCore scheduler) there too as they appear. Generation and training then overlap on separate cores,
-        # as on GPUs, instead of competing for both.
-        others = sorted(os.sched_getaffinity(0) - {0})
-        preexec = lambda: os.sched_setaffinity(0, others)  # noqa: E731
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+    preexec = pin_training_side(env) if a.pin_engine_core else None
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
         pinner = EngineSide(proc.pid).start() if a.pin_engine_core else None
@@ -190,6 +180,20 @@ def run_once(a, world: dict, flags: List[str], run_dir: str, seed: int) -> Dict[
     curves[WALL] = reward_vs_wall(os.path.join(run_dir, "tb"), t0)
     curves["wall/total_s"] = time.time() - t0
     return curves
+
+
+def pin_training_side(env: Dict[str, str]):
+    """The engine side on core 0, the training side on the others: returns the ``preexec_fn`` that gives the launched
+    command every core but 0, and sets ``env`` so that vLLM's CPU worker binds itself to core 0.
+
+    The CLI and what it starts (the driver, Ray, the DeepSpeed trainer, the controllers) inherit the cores but 0;
+    the vLLM CPU worker binds itself to core 0 (VLLM_CPU_OMP_THREADS_BIND=0: "core ids=[0]" in the log; "auto" would
+    pick from the inherited cores), and :class:`EngineSide` moves the rest of the engine (the Ray engine actor with
+    vLLM's front end, and its EngineCore scheduler) there too as they appear. Generation and training then overlap on
+    separate cores, as on GPUs, instead of competing for both."""
+    others = sorted(os.sched_getaffinity(0) - {0})
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+    return lambda: os.sched_setaffinity(0, others)
 
 
 class EngineSide:
