@@ -1,7 +1,7 @@
 """The decisive grid on the verifiable task: held-out eval accuracy of the current policy against steps and
 wall-clock, sync against async, with and without corrections, several seeds.
 
-    python -m benchmarks.rlvr_grid [--seeds 5] [--steps 200] [--configs ...] [--out docs/rlvr_grid]
+    python -m benchmarks.rlvr_grid [--seeds 5] [--steps 200] [--configs ...] [--pin-engine-core] [--out docs/rlvr_grid]
 
 Every run is ``examples/scripts/train_rlvr_tiny_cpu.sh`` (the task of docs/rlvr_task.md: two-digit addition,
 exact-match reward, one warm-started model, 32 prompts x 8 samples per step, Adam lr 1e-4) with the run's flags
@@ -9,7 +9,8 @@ appended: the staleness level and the correction (the names of ``benchmarks/stal
 ``--train.seed 42 + seed``. The script evaluates the 197 held-out prompts every 25 steps at the rollout
 temperature (4 samples each: ``eval/eval_default_pass1`` is the mean exact-match accuracy over 788 samples).
 Runs go one after another, seeds outermost, so a grid cut short still holds every configuration for the seeds
-it finished. The cores are shared by every process of a run, as a user's single machine shares them.
+it finished. The cores are shared by every process of a run, as a user's single machine shares them; with
+``--pin-engine-core`` the engine has core 0 to itself and everything else the other cores.
 
 Writes into ``--out``: ``results.json`` (per run: the eval curve as [step, seconds since launch, seconds since
 the first step's log, accuracy], the training reward per step, the mean version lag, the mean seconds per step of
