@@ -37,7 +37,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.common import scalar_events  # noqa: E402
 from benchmarks.common import span as _span  # noqa: E402
-from benchmarks.staleness import ALL_CORRECTIONS, STALENESS, EngineSide, config_flags, pin_training_side  # noqa: E402
+from benchmarks.staleness import ALL_CORRECTIONS, STALENESS, config_flags, launch  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "examples", "scripts", "train_rlvr_tiny_cpu.sh")
 EVAL = "eval/eval_default_pass1"
@@ -103,21 +103,8 @@ def run_once(key: str, seed: int, steps: int, run_dir: str, world: str, pin_engi
     flags = config_flags(level, name) + ["--train.seed", str(42 + seed)]
     env = {**os.environ, "SEED": "0", "STEPS": str(steps), "RUN_DIR": run_dir, "WORLD": world, "WANDB_MODE": "offline"}
     os.makedirs(run_dir, exist_ok=True)
-    preexec = pin_training_side(env) if pin_engine_core else None
     launched = time.time()
-    with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        proc = subprocess.Popen(
-            ["bash", SCRIPT, *flags], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec
-        )
-        pinner = EngineSide(proc.pid).start() if pin_engine_core else None
-        try:
-            rc = proc.wait()
-        finally:
-            if pinner is not None:
-                pinner.stop()
-    if pinner is not None:
-        with open(os.path.join(run_dir, "pinned.txt"), "w") as f:
-            f.write("\n".join(pinner.pinned) + "\n")
+    rc = launch(["bash", SCRIPT, *flags], run_dir, env, pin_engine_core)
     if rc != 0:
         raise RuntimeError(f"{key} seed {seed} failed ({rc}): see {run_dir}/log.txt")
     run = read_run(os.path.join(run_dir, "tensorboard"), launched)

@@ -157,12 +157,27 @@ def run_once(a, world: dict, flags: List[str], run_dir: str, seed: int) -> Dict[
     cmd = [sys.executable, "-m", "openrlhf_ess.cli.train_ppo_ray", *run_flags(a, world, run_dir, seed), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "offline"}
     t0 = time.time()
-    preexec = pin_training_side(env) if a.pin_engine_core else None
+    rc = launch(cmd, run_dir, env, a.pin_engine_core, timeout=1800)
+    if rc != 0:
+        raise RuntimeError(f"run failed ({rc}): see {run_dir}/log.txt")
+    scalars = read_scalars(os.path.join(run_dir, "tb"))
+    curves = {tag: scalars.get(tag, []) for tag in CURVES}
+    curves[WALL] = reward_vs_wall(os.path.join(run_dir, "tb"), t0)
+    curves["wall/total_s"] = time.time() - t0
+    return curves
+
+
+def launch(cmd: List[str], run_dir: str, env: Dict[str, str], pin_engine_core: bool, timeout=None) -> int:
+    """Runs ``cmd`` from the repository with its output in ``run_dir``/log.txt and returns its exit code; with
+    ``pin_engine_core`` the engine side on core 0 (:func:`pin_training_side`, :class:`EngineSide`) and the processes
+    moved there listed in ``run_dir``/pinned.txt. Past ``timeout`` seconds the command is killed and
+    ``subprocess.TimeoutExpired`` raised."""
+    preexec = pin_training_side(env) if pin_engine_core else None
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec)
-        pinner = EngineSide(proc.pid).start() if a.pin_engine_core else None
+        pinner = EngineSide(proc.pid).start() if pin_engine_core else None
         try:
-            rc = proc.wait(timeout=1800)
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -173,13 +188,7 @@ def run_once(a, world: dict, flags: List[str], run_dir: str, seed: int) -> Dict[
     if pinner is not None:
         with open(os.path.join(run_dir, "pinned.txt"), "w") as f:
             f.write("\n".join(pinner.pinned) + "\n")
-    if rc != 0:
-        raise RuntimeError(f"run failed ({rc}): see {run_dir}/log.txt")
-    scalars = read_scalars(os.path.join(run_dir, "tb"))
-    curves = {tag: scalars.get(tag, []) for tag in CURVES}
-    curves[WALL] = reward_vs_wall(os.path.join(run_dir, "tb"), t0)
-    curves["wall/total_s"] = time.time() - t0
-    return curves
+    return rc
 
 
 def pin_training_side(env: Dict[str, str]):

@@ -50,3 +50,17 @@ def test_target_table_and_figures(tmp_path):
     row = next(line for line in table.splitlines() if line.startswith("| async q8"))
     # overshoot 0.9 − 0.5 = 0.4 in both seeds; ρ min 0.9, scale 0.95; never within 0.05 of f*
     assert "| 0.400 [0.400, 0.400] |" in row and "| 0.900 | 0.950 |" in row and "| never |" in row
+
+
+def test_launch_logs_the_command_returns_its_code_and_kills_it_past_the_timeout(tmp_path):
+    import os
+    import subprocess
+
+    from benchmarks.staleness import launch
+
+    rc = launch(["bash", "-c", "echo launched; exit 3"], str(tmp_path), dict(os.environ), pin_engine_core=False)
+    assert rc == 3
+    assert (tmp_path / "log.txt").read_text() == "launched\n"
+    assert not (tmp_path / "pinned.txt").exists()
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch(["sleep", "30"], str(tmp_path), dict(os.environ), pin_engine_core=False, timeout=0.5)
