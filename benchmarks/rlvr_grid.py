@@ -18,6 +18,13 @@ each timed phase, the wall time), ``results.md`` (per configuration and seed: ev
 accuracy = AUC over steps, final accuracy, AUC against wall-clock over a common horizon, seconds to sync's final
 accuracy; per configuration: where a step's time goes) and
 ``eval_steps.png`` / ``eval_wall.png``. The reading is written by hand in docs/rlvr_grid.md.
+
+``--task target`` runs the same grid on the interior-optimum task (docs/staleness_target.md) with a held-out eval:
+the random tiny model, reward 1 − |f − 0.5| / 0.5 of the response's digit fraction f, 64 training prompts x 4
+samples (8 prompts per step), 4 passes (32 steps), Adam lr 1e-2 constant and 4 optimizer epochs per batch (the
+regime where uncorrected async overshot), except VCPO (recipe), which takes its recipe's one step per batch. The
+eval: 64 held-out prompts x 4 samples at temperature 1 every 4 steps (``eval/eval_default_pass1`` is their mean
+reward). Its results go to ``--out``'s target/ and its run folders end in _target.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Dict, List, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from benchmarks.common import scalar_events  # noqa: E402
+from benchmarks.common import scalar_events, tiny_args  # noqa: E402
 from benchmarks.common import span as _span  # noqa: E402
 from benchmarks.staleness import ALL_CORRECTIONS, STALENESS, config_flags, launch  # noqa: E402
 
@@ -98,16 +105,108 @@ def run_dir_name(key: str, seed: int) -> str:
     return slug.replace(")", "")
 
 
-def run_once(key: str, seed: int, steps: int, run_dir: str, world: str, pin_engine_core: bool = False) -> Dict:
+# ------------------------------------------------------------------------------------- the interior-optimum task
+
+TARGET_PROMPTS = 64  # training prompts (8 per step) and held-out prompts
+TARGET_EPISODES = 4  # passes over the training prompts: 32 steps
+TARGET_EVAL_STEPS = 4
+# The recorded regime of the interior-optimum task (docs/staleness_target.md): lr 1e-2, 4 optimizer epochs per batch
+TARGET_FLAGS = ["--train.num_episodes", str(TARGET_EPISODES), "--actor.lr_scheduler", "constant"]
+TARGET_FLAGS += ["--actor.adam.lr", "1e-2"]
+TARGET_EPOCHS = ["--train.max_epochs", "4"]
+
+
+def target_world(root: str) -> dict:
+    """The tiny world (random model, seed 0; 64 training prompts) with the interior-optimum reward and 64 held-out
+    prompts drawn with another seed, none of them a training prompt."""
+    from openrlhf_ess.tiny.world import build_prompts, build_world
+
+    world = build_world(os.path.join(root, "world"), seed=0, n_prompts=TARGET_PROMPTS)
+    world["reward"] = os.path.join(REPO, "openrlhf_ess", "tiny", "reward_target.py")
+    world["eval"] = os.path.join(root, "eval.jsonl")
+    if not os.path.exists(world["eval"]):
+        with open(world["prompts"]) as f:
+            seen = {json.loads(line)["input"] for line in f}
+        drawn = build_prompts(world["eval"] + ".drawn", n=2 * TARGET_PROMPTS, seed=1)
+        with open(drawn) as f:
+            rows = [line for line in f if json.loads(line)["input"] not in seen]
+        with open(world["eval"] + ".tmp", "w") as f:
+            f.writelines(rows[:TARGET_PROMPTS])
+        os.replace(world["eval"] + ".tmp", world["eval"])
+        os.remove(drawn)
+    return world
+
+
+def target_command(world: dict, run_dir: str, name: str) -> List[str]:
+    """The CLI command of one interior-optimum run (before the cell's flags): the tests' tiny-run flags with the
+    target reward, the recorded regime and the held-out eval. VCPO (recipe) keeps its recipe's one epoch."""
+    epochs = [] if name == "VCPO (recipe)" else TARGET_EPOCHS
+    return [
+        sys.executable,
+        "-m",
+        "openrlhf_ess.cli.train_ppo_ray",
+        *tiny_args(world, run_dir, steps_prompts=TARGET_PROMPTS),
+        *TARGET_FLAGS,
+        *epochs,
+        *["--eval.dataset", world["eval"], "--eval.steps", str(TARGET_EVAL_STEPS)],
+        *["--eval.temperature", "1.0", "--eval.n_samples_per_prompt", "4"],
+    ]
+
+
+def initial_target_reward(world: dict, samples: int = 4, seed: int = 0) -> float:
+    """The random model's mean interior-optimum reward on the held-out prompts, ``samples`` each at temperature 1
+    and up to 16 new tokens (fp32 torch): step 0 of every curve (upstream evaluates at multiples of --eval.steps
+    only)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from openrlhf_ess.tiny.reward import digit_fraction
+    from openrlhf_ess.tiny.reward_target import target_reward
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(world["model"], dtype="float32").eval()
+    tokenizer = AutoTokenizer.from_pretrained(world["model"])
+    with open(world["eval"]) as f:
+        prompts = [json.loads(line)["input"] for line in f]
+    rewards = []
+    with torch.no_grad():
+        for prompt in prompts:
+            x = tokenizer(prompt, return_tensors="pt")
+            out = model.generate(
+                **x,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=16,
+                num_return_sequences=samples,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
+            for row in out[:, x["input_ids"].shape[1] :]:
+                rewards.append(target_reward(digit_fraction(tokenizer.decode(row, skip_special_tokens=True))))
+    return statistics.mean(rewards)
+
+
+def run_once(
+    key: str, seed: int, steps: int, run_dir: str, world, pin_engine_core: bool = False, task: str = "rlvr"
+) -> Dict:
+    """One run of the grid: ``world`` is the RLVR world's folder (task rlvr) or :func:`target_world`'s dict."""
     level, name = parse_config(key)
     flags = config_flags(level, name) + ["--train.seed", str(42 + seed)]
-    env = {**os.environ, "SEED": "0", "STEPS": str(steps), "RUN_DIR": run_dir, "WORLD": world, "WANDB_MODE": "offline"}
     os.makedirs(run_dir, exist_ok=True)
+    if task == "target":
+        cmd, tb_dir = target_command(world, run_dir, name) + flags, os.path.join(run_dir, "tb")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "offline"}
+    else:
+        cmd, tb_dir = ["bash", SCRIPT, *flags], os.path.join(run_dir, "tensorboard")
+        env = {**os.environ, "SEED": "0", "STEPS": str(steps), "RUN_DIR": run_dir, "WORLD": world}
+        env["WANDB_MODE"] = "offline"
     launched = time.time()
-    rc = launch(["bash", SCRIPT, *flags], run_dir, env, pin_engine_core)
+    rc = launch(cmd, run_dir, env, pin_engine_core)
     if rc != 0:
         raise RuntimeError(f"{key} seed {seed} failed ({rc}): see {run_dir}/log.txt")
-    run = read_run(os.path.join(run_dir, "tensorboard"), launched)
+    run = read_run(tb_dir, launched)
     run["wall_s"] = time.time() - launched
     run["seed"] = seed
     run["commit"] = subprocess.run(
@@ -160,22 +259,44 @@ def time_to(run: Dict, threshold: float, column: int = 2) -> Optional[float]:
     return next((e[column] for e in run["eval"] if e[3] >= threshold), None)
 
 
-def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_value: float) -> None:
+# What the tables and figures call each task's eval
+TASK_TEXT = {
+    "rlvr": {
+        "title": "The decisive grid on the verifiable task: raw results",
+        "eval": "held-out exact-match accuracy of the current weights (197 prompts x 4 samples at temperature 1)",
+        "value": "accuracy",
+        "start": "the warm start",
+        "ylabel": "held-out accuracy (exact match, T = 1)",
+        "start_key": "_warm_start_accuracy",
+    },
+    "target": {
+        "title": "The decisive grid on the interior-optimum task: raw results",
+        "eval": "held-out mean reward 1 − |f − 0.5| / 0.5 of the current weights (64 prompts x 4 samples at "
+        "temperature 1)",
+        "value": "reward",
+        "start": "the random model",
+        "ylabel": "held-out reward 1 − |f − 0.5| / 0.5 (T = 1)",
+        "start_key": "_initial_eval_reward",
+    },
+}
+
+
+def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_value: float, task="rlvr") -> None:
+    text = TASK_TEXT[task]
     steps = common_steps(results)
     sync = results.get("sync | none", [])
     target = statistics.mean(final_acc(r, steps=steps) for r in sync) if sync else None
     horizon = min(r["eval"][-1][2] for runs in results.values() for r in runs if r["eval"])
     commands = sorted({r.get("command", command) for runs in results.values() for r in runs})
     lines = [
-        "# The decisive grid on the verifiable task: raw results",
+        f"# {text['title']}",
         "",
         f"Command{'s' if len(commands) > 1 else ''}: {', '.join(f'`{c}`' for c in commands)}. "
-        "Eval: held-out exact-match accuracy of the current weights (197 prompts x 4 samples "
-        "at temperature 1). AUC (steps) = mean of the evals at the steps every run has "
+        f"Eval: {text['eval']}. AUC (steps) = mean of the evals at the steps every run has "
         f"({', '.join(map(str, steps))}); final = mean of the last two of them; AUC (wall) = mean "
-        f"accuracy over the first {horizon:.0f} s after the first step's log (the shortest run's last eval), "
-        f"{start_value:.3f} (the warm start) before a run's first eval; time to sync = seconds after the first "
-        f"step's log at the first eval ≥ sync's mean final accuracy"
+        f"{text['value']} over the first {horizon:.0f} s after the first step's log (the shortest run's last "
+        f"eval), {start_value:.3f} ({text['start']}) before a run's first eval; time to sync = seconds after the "
+        f"first step's log at the first eval ≥ sync's mean final {text['value']}"
         + (f" ({target:.3f})" if target is not None else "")
         + ". Mean [min, max] over seeds; every seed below.",
         "",
@@ -200,7 +321,7 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += time_table(results)
-    lines += ["", "## Every seed: eval accuracy at each eval step (seconds since the first step's log)", ""]
+    lines += ["", f"## Every seed: eval {text['value']} at each eval step (seconds since the first step's log)", ""]
     for key, runs in results.items():
         lines.append(f"**{key.replace(' | ', ': ')}**")
         lines.append("")
@@ -238,7 +359,7 @@ def time_table(results: Dict[str, List[Dict]]) -> List[str]:
     return lines
 
 
-def plot(results: Dict[str, List[Dict]], out: str, start_value: float) -> List[str]:
+def plot(results: Dict[str, List[Dict]], out: str, start_value: float, task: str = "rlvr") -> List[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -265,8 +386,8 @@ def plot(results: Dict[str, List[Dict]], out: str, start_value: float) -> List[s
             ys = [start_value] + [statistics.mean(r["eval"][j][3] for r in runs) for j in range(n)]
             ax.plot(xs, ys, color=color, linewidth=2, label=f"{key.replace(' | ', ': ')} ({len(runs)} seeds)")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("held-out accuracy (exact match, T = 1)")
-        ax.set_title("Held-out accuracy of the current policy: mean (thick) and every seed (thin)")
+        ax.set_ylabel(TASK_TEXT[task]["ylabel"])
+        ax.set_title(f"Held-out {TASK_TEXT[task]['value']} of the current policy: mean (thick) and every seed (thin)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the axes: no curve hidden
         fig.tight_layout()
@@ -293,22 +414,29 @@ def warm_start_accuracy(world: str) -> float:
     return statistics.mean(rlvr.accuracy(model, tokenizer, held_out, temperature=1.0, seed=k) for k in range(4))
 
 
-def render(results, out, command, start_value) -> List[str]:
-    write_table(results, os.path.join(out, "results.md"), command, start_value)
-    return [os.path.join(out, "results.md")] + plot(results, out, start_value)
+def render(results, out, command, start_value, task="rlvr") -> List[str]:
+    write_table(results, os.path.join(out, "results.md"), command, start_value, task)
+    return [os.path.join(out, "results.md")] + plot(results, out, start_value, task)
 
 
-def save(path: str, start_value: float, results: Dict[str, List[Dict]]) -> None:
+def save(path: str, start_value: float, results: Dict[str, List[Dict]], task: str = "rlvr") -> None:
     with open(path, "w") as f:
-        json.dump({"_warm_start_accuracy": start_value, **results}, f)
+        json.dump({TASK_TEXT[task]["start_key"]: start_value, **results}, f)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--first-seed", type=int, default=0, help="resume a grid: seeds first-seed..seeds-1")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run (32 prompts each)")
+    parser.add_argument("--steps", type=int, default=200, help="training steps per run (32 prompts each; task rlvr)")
     parser.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS, help="'<staleness level> | <correction>'")
+    parser.add_argument(
+        "--task",
+        choices=sorted(TASK_TEXT),
+        default="rlvr",
+        help="rlvr: two-digit addition from a warm start (docs/rlvr_task.md); target: the interior-optimum reward "
+        "(docs/staleness_target.md) with a held-out eval; results go to --out's target/",
+    )
     parser.add_argument(
         "--pin-engine-core",
         action="store_true",
@@ -324,29 +452,34 @@ def main() -> None:
             parse_config(key)
         except ValueError as e:
             parser.error(f"--configs {e}")
-    world = os.path.join(a.workdir, "world")  # one warm start, pinned or not
-    suffix = "_pinned" if a.pin_engine_core else ""
+    suffix = ""
+    if a.task == "target":
+        world = target_world(os.path.join(a.workdir, "target"))
+        a.out, suffix = os.path.join(a.out, "target"), "_target"
+    else:
+        world = os.path.join(a.workdir, "world")  # one warm start, pinned or not
     if a.pin_engine_core:
-        a.out = os.path.join(a.out, "pinned")
+        a.out, suffix = os.path.join(a.out, "pinned"), suffix + "_pinned"
     os.makedirs(a.out, exist_ok=True)
     results_path = os.path.join(a.out, "results.json")
     results: Dict[str, List[Dict]] = {}
     if os.path.exists(results_path):
         with open(results_path) as f:
             results = json.load(f)
-    start_value = results.pop("_warm_start_accuracy", None)
+    start_value = results.pop(TASK_TEXT[a.task]["start_key"], None)
     if start_value is None:
-        start_value = warm_start_accuracy(world)
+        start_value = initial_target_reward(world) if a.task == "target" else warm_start_accuracy(world)
     command = "python -m benchmarks.rlvr_grid " + shlex.join(sys.argv[1:])
     backfilled = False
+    tb_name = "tb" if a.task == "target" else "tensorboard"
     for key, runs in results.items():  # runs recorded before the timing was: read from their folders, if kept
         for r in runs:
-            tb_dir = os.path.join(a.workdir, run_dir_name(key, r["seed"]) + suffix, "tensorboard")
+            tb_dir = os.path.join(a.workdir, run_dir_name(key, r["seed"]) + suffix, tb_name)
             if "timing" not in r and os.path.isdir(tb_dir):
                 r["timing"] = read_timing(tb_dir)
                 backfilled = True
     if backfilled:
-        save(results_path, start_value, results)
+        save(results_path, start_value, results, a.task)
     if not a.from_json:
         for seed in range(a.first_seed, a.seeds):
             for key in a.configs:
@@ -354,7 +487,7 @@ def main() -> None:
                     continue  # already measured (a resumed grid)
                 t0 = time.time()
                 run_dir = os.path.join(a.workdir, run_dir_name(key, seed) + suffix)
-                run = run_once(key, seed, a.steps, run_dir, world, a.pin_engine_core)
+                run = run_once(key, seed, a.steps, run_dir, world, a.pin_engine_core, a.task)
                 run["command"] = command
                 results.setdefault(key, []).append(run)
                 print(
@@ -362,8 +495,8 @@ def main() -> None:
                     f"({time.time() - t0:.0f} s)",
                     flush=True,
                 )
-                save(results_path, start_value, results)  # after every run: a grid cut short keeps what it measured
-    for path in render(results, a.out, command, start_value):
+                save(results_path, start_value, results, a.task)  # after every run: a grid cut short keeps it
+    for path in render(results, a.out, command, start_value, a.task):
         print(f"[rlvr_grid] wrote {path}")
 
 
