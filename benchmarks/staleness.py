@@ -96,8 +96,9 @@ STALENESS: Dict[str, List[str]] = {
     "async q1 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "1"],
     "async q4 + partial": ["--train.async_enable", "--train.partial_rollout_enable", "--train.async_queue_size", "4"],
 }
-# Not in the default grid: the other queue depths of the target task's sweep (q8 also served the regime search)
-for _q in (2, 8, 16):
+# Not in the default grid: the other queue depths of the target task's sweep (q8 also served the regime search), and
+# q10, the GPU recipe's mapping of VCPO's reference staleness bound of 10 versions (docs/opob.md)
+for _q in (2, 8, 10, 16):
     STALENESS[f"async q{_q} + partial"] = STALENESS["async q1 + partial"][:-1] + [str(_q)]
 STALENESS = {k: STALENESS[k] for k in sorted(STALENESS, key=lambda k: -1 if k == "sync" else int(k[7:].split()[0]))}
 DEFAULT_STALENESS = ["sync", "async q1 + partial", "async q4 + partial"]

@@ -2,6 +2,8 @@
 out by hand; its configuration names against the staleness grid's; the search's GRPO advantages; and the event
 reader both grids share."""
 
+import json
+
 import pytest
 
 from benchmarks import rlvr_grid
@@ -149,3 +151,41 @@ def test_the_time_table_spans_the_seeds_of_each_phase():
 def test_run_folders_are_named_from_the_configuration_and_seed():
     assert rlvr_grid.run_dir_name("async q8 + partial | VCPO (recipe)", 3) == "async_q8_p_partial__VCPO_recipe_s3"
     assert rlvr_grid.run_dir_name("sync | none", 0) == "sync__none_s0"
+
+
+def test_the_target_task_holds_out_prompts_the_training_never_sees(tmp_path):
+    world = rlvr_grid.target_world(str(tmp_path))
+    read = lambda path: [json.loads(line)["input"] for line in open(path)]  # noqa: E731
+    train, held_out = read(world["prompts"]), read(world["eval"])
+    assert len(train) == 64 and len(held_out) == 64 and len(set(held_out)) == 64
+    assert not set(train) & set(held_out)
+    assert world["reward"].endswith("reward_target.py")
+    assert rlvr_grid.target_world(str(tmp_path))["eval"] == world["eval"]  # built once: the same file again
+    assert read(world["eval"]) == held_out
+
+
+def test_the_target_run_has_the_recorded_regime_and_vcpo_its_recipes_one_epoch(tmp_path):
+    world = {"model": "m", "prompts": "p.jsonl", "reward": "r.py", "eval": "e.jsonl"}
+
+    def value(cmd, flag):  # the last occurrence wins, as in argparse
+        return cmd[len(cmd) - 1 - cmd[::-1].index(flag) + 1]
+
+    tis = rlvr_grid.target_command(world, str(tmp_path), "TIS")
+    assert value(tis, "--actor.adam.lr") == "1e-2" and value(tis, "--train.max_epochs") == "4"
+    assert value(tis, "--train.num_episodes") == "4" and value(tis, "--data.max_samples") == "64"
+    assert value(tis, "--eval.dataset") == "e.jsonl" and value(tis, "--eval.steps") == "4"
+    assert value(tis, "--reward.remote_url") == "r.py"
+    vcpo = rlvr_grid.target_command(world, str(tmp_path), "VCPO (recipe)")
+    assert "--train.max_epochs" not in vcpo and value(vcpo, "--actor.adam.lr") == "1e-2"
+
+
+def test_the_target_table_speaks_of_reward(tmp_path):
+    results = {"sync | none": [_run([(4, 10.0, 0.6), (8, 20.0, 0.8)])]}
+    results["sync | none"][0].update(lag_mean=None, first_step_s=30.0, wall_s=90.0)
+    path = tmp_path / "results.md"
+    rlvr_grid.write_table(results, str(path), "python -m benchmarks.rlvr_grid --task target", 0.2, task="target")
+    text = path.read_text()
+    assert text.startswith("# The decisive grid on the interior-optimum task")
+    assert "0.200 (the random model)" in text and "mean reward" in text and "accuracy" not in text
+    # AUC (wall) over the 20 s horizon: 10 s at 0.2, 10 s at 0.6
+    assert "| sync: none | 1 | 0.700 [0.700, 0.700] | 0.700 [0.700, 0.700] | 0.400 [0.400, 0.400] |" in text
