@@ -44,7 +44,7 @@ sys.path.insert(0, REPO)
 
 from benchmarks.common import scalar_events, tiny_args  # noqa: E402
 from benchmarks.common import span as _span  # noqa: E402
-from benchmarks.staleness import ALL_CORRECTIONS, STALENESS, config_flags, launch  # noqa: E402
+from benchmarks.staleness import ALL_CORRECTIONS, STALENESS, config_flags, distance_stats, launch  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "examples", "scripts", "train_rlvr_tiny_cpu.sh")
 EVAL = "eval/eval_default_pass1"
@@ -79,6 +79,23 @@ def read_run(tb_dir: str, launched: float) -> Dict:
         "lag_mean": statistics.mean(lag) if lag else None,
         "first_step_s": first - launched,
         "timing": read_timing(tb_dir),
+        "dynamics": read_dynamics(tb_dir),
+    }
+
+
+def read_dynamics(tb_dir: str) -> Dict:
+    """The training side of a run, for reading why its eval went where it did: the training batch's mean digit
+    fraction per step (the interior-optimum task's reward logs it; [] otherwise) and the mean share of tokens
+    clipped by PPO's ratio clip and of TIS weights at the cap (None where the run does not log them)."""
+
+    def mean(tag):
+        values = [v for _, _, v in scalar_events(tb_dir, tag)]
+        return statistics.mean(values) if values else None
+
+    return {
+        "fraction": [[s, v] for s, _, v in scalar_events(tb_dir, "train/digit_fraction")],
+        "ppo_clip": mean("train/ppo_clip_ratio"),
+        "tis_clip": mean("train/tis/clip_frac"),
     }
 
 
@@ -321,6 +338,8 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += time_table(results)
+    if task == "target":
+        lines += dynamics_table(results)
     lines += ["", f"## Every seed: eval {text['value']} at each eval step (seconds since the first step's log)", ""]
     for key, runs in results.items():
         lines.append(f"**{key.replace(' | ', ': ')}**")
@@ -359,6 +378,36 @@ def time_table(results: Dict[str, List[Dict]]) -> List[str]:
     return lines
 
 
+def dynamics_table(results: Dict[str, List[Dict]], target: float = 0.5) -> List[str]:
+    """The training side of the interior-optimum runs: how far the training batch's digit fraction went past f*
+    (staleness.distance_stats' overshoot), how far it ended from f* (the last 8 steps), and the clip shares."""
+    runs_with = {
+        k: [r["dynamics"] for r in runs if r.get("dynamics", {}).get("fraction")] for k, runs in results.items()
+    }
+    if not any(runs_with.values()):
+        return []
+    lines = [
+        "",
+        "## The training side (the training batch's digit fraction f, sampled up to the lag versions ago)",
+        "",
+        f"Overshoot = how far f went past f* = {target} after first reaching it; final |f − f*| = mean over the "
+        "last 8 steps; PPO clip = the mean share of tokens whose ratio π_θ/π_prox PPO clipped; TIS at cap = the "
+        "mean share of TIS weights truncated at the cap.",
+        "",
+        "| configuration | runs | overshoot | final \\|f − f*\\| | PPO clip | TIS at cap |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, dyn in runs_with.items():
+        if not dyn:
+            continue
+        stats = [distance_stats([v for _, v in d["fraction"]], target, window=8) for d in dyn]
+        clip = [d["ppo_clip"] for d in dyn if d["ppo_clip"] is not None]
+        tis = [d["tis_clip"] for d in dyn if d["tis_clip"] is not None]
+        cells = [_span([x["overshoot"] for x in stats]), _span([x["final"] for x in stats]), _span(clip), _span(tis)]
+        lines.append(f"| {key.replace(' | ', ': ')} | {len(dyn)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def plot(results: Dict[str, List[Dict]], out: str, start_value: float, task: str = "rlvr") -> List[str]:
     import matplotlib
 
@@ -372,7 +421,7 @@ def plot(results: Dict[str, List[Dict]], out: str, start_value: float, task: str
     ):
         fig, ax = plt.subplots(figsize=(10.5, 4.8))
         for i, (key, runs) in enumerate(results.items()):
-            color = f"C{i}"
+            color = f"C{i}" if len(results) <= 10 else plt.get_cmap("tab20")(i % 20)  # no colour twice
             for r in runs:  # every seed, thin
                 ax.plot(
                     [0] + [e[column] for e in r["eval"]],
@@ -472,11 +521,14 @@ def main() -> None:
     command = "python -m benchmarks.rlvr_grid " + shlex.join(sys.argv[1:])
     backfilled = False
     tb_name = "tb" if a.task == "target" else "tensorboard"
-    for key, runs in results.items():  # runs recorded before the timing was: read from their folders, if kept
+    for key, runs in results.items():  # runs recorded before the timing or dynamics were: read from their folders
         for r in runs:
             tb_dir = os.path.join(a.workdir, run_dir_name(key, r["seed"]) + suffix, tb_name)
             if "timing" not in r and os.path.isdir(tb_dir):
                 r["timing"] = read_timing(tb_dir)
+                backfilled = True
+            if a.task == "target" and "dynamics" not in r and os.path.isdir(tb_dir):
+                r["dynamics"] = read_dynamics(tb_dir)
                 backfilled = True
     if backfilled:
         save(results_path, start_value, results, a.task)

@@ -189,3 +189,19 @@ def test_the_target_table_speaks_of_reward(tmp_path):
     assert "0.200 (the random model)" in text and "mean reward" in text and "accuracy" not in text
     # AUC (wall) over the 20 s horizon: 10 s at 0.2, 10 s at 0.6
     assert "| sync: none | 1 | 0.700 [0.700, 0.700] | 0.700 [0.700, 0.700] | 0.400 [0.400, 0.400] |" in text
+
+
+def test_the_target_training_side_table_reads_overshoot_and_clip_shares():
+    # f: 0.1, 0.3, 0.6, 0.7 -> first reaches 0.5 at step 3, goes 0.2 past it; |f - 0.5| over the (fewer than 8)
+    # steps: (0.4 + 0.2 + 0.1 + 0.2) / 4 = 0.225
+    dyn = {"fraction": [[1, 0.1], [2, 0.3], [3, 0.6], [4, 0.7]], "ppo_clip": 0.3, "tis_clip": None}
+    other = {"fraction": [[1, 0.1], [2, 0.5], [3, 0.4], [4, 0.5]], "ppo_clip": 0.1, "tis_clip": 0.05}
+    results = {"async q8 + partial | TIS": [{"dynamics": dyn}, {"dynamics": other}], "sync | none": [{"eval": []}]}
+    lines = rlvr_grid.dynamics_table(results)
+    # the second run never goes past 0.5: overshoot 0; final (0.4 + 0 + 0.1 + 0) / 4 = 0.125
+    assert (
+        "| async q8 + partial: TIS | 2 | 0.100 [0.000, 0.200] | 0.175 [0.125, 0.225] | 0.200 [0.100, 0.300] | "
+        "0.050 [0.050, 0.050] |" in lines
+    )
+    assert not any(line.startswith("| sync") for line in lines)
+    assert rlvr_grid.dynamics_table({"sync | none": [{"eval": []}]}) == []

@@ -8,17 +8,21 @@
 # runs/compare/results.md (AUC, final accuracy, time to sync's final accuracy, every eval).
 # CORRECTED picks the correction (a name of benchmarks/staleness.py): TIS (default), "VCPO (recipe)",
 # "TIS + snapshot", bypass, ... STEPS=48 makes it a ~7-minute smoke run (too short for the curves to separate).
+# TASK=target runs the interior-optimum task instead (32 steps, ~4 minutes; results in $OUT/target).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/env_cpu.sh
 
 OUT=${OUT:-runs/compare}
 CORRECTED=${CORRECTED:-TIS}
+TASK=${TASK:-rlvr}
+RESULTS=$OUT
+if [ "$TASK" = target ]; then RESULTS=$OUT/target; fi
 rm -rf "$OUT"
-python -m benchmarks.rlvr_grid --seeds 1 --steps "${STEPS:-200}" \
+python -m benchmarks.rlvr_grid --task "$TASK" --seeds 1 --steps "${STEPS:-200}" \
     --configs "sync | none" "async q8 + partial | none" "async q8 + partial | $CORRECTED" \
     --out "$OUT" --workdir "$OUT/runs"
 echo
-cat "$OUT/results.md"
+cat "$RESULTS/results.md"
 echo
-echo "figures: $OUT/eval_steps.png, $OUT/eval_wall.png"
+echo "figures: $RESULTS/eval_steps.png, $RESULTS/eval_wall.png"
