@@ -351,10 +351,15 @@ class Tiny:
     def state(self) -> dict:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    @torch.no_grad()
     def sample(self, n_prompts: int, gen: torch.Generator) -> Rollout:
+        """``n_prompts`` prompts drawn with replacement, ``samples_per_prompt`` responses each."""
         idx = torch.randint(len(self.prompts), (n_prompts,), generator=gen).tolist()
-        texts = [self.prompts[i] for i in idx for _ in range(self.n)]
+        return self.sample_prompts([self.prompts[i] for i in idx], gen)
+
+    @torch.no_grad()
+    def sample_prompts(self, prompts: List[str], gen: torch.Generator) -> Rollout:
+        """``samples_per_prompt`` responses to each of ``prompts`` at temperature 1 (fp32 torch), with their μ."""
+        texts = [p for p in prompts for _ in range(self.n)]
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
         out = self.model.generate(

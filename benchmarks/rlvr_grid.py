@@ -172,37 +172,15 @@ def target_command(world: dict, run_dir: str, name: str) -> List[str]:
 
 def initial_target_reward(world: dict, samples: int = 4, seed: int = 0) -> float:
     """The random model's mean interior-optimum reward on the held-out prompts, ``samples`` each at temperature 1
-    and up to 16 new tokens (fp32 torch): step 0 of every curve (upstream evaluates at multiples of --eval.steps
-    only)."""
+    and up to 16 new tokens (fp32 torch, the gradient benchmark's sampler): step 0 of every curve (upstream
+    evaluates at multiples of --eval.steps only)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from openrlhf_ess.tiny.reward import digit_fraction
-    from openrlhf_ess.tiny.reward_target import target_reward
+    from benchmarks.gradient_quality import Tiny
 
     torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(world["model"], dtype="float32").eval()
-    tokenizer = AutoTokenizer.from_pretrained(world["model"])
-    with open(world["eval"]) as f:
-        prompts = [json.loads(line)["input"] for line in f]
-    rewards = []
-    with torch.no_grad():
-        for prompt in prompts:
-            x = tokenizer(prompt, return_tensors="pt")
-            out = model.generate(
-                **x,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=16,
-                num_return_sequences=samples,
-                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-            )
-            for row in out[:, x["input_ids"].shape[1] :]:
-                rewards.append(target_reward(digit_fraction(tokenizer.decode(row, skip_special_tokens=True))))
-    return statistics.mean(rewards)
+    tiny = Tiny({**world, "prompts": world["eval"]}, max_new_tokens=16, samples_per_prompt=samples, task="target")
+    return tiny.sample_prompts(tiny.prompts, torch.Generator().manual_seed(seed)).rewards.mean().item()
 
 
 def run_once(
