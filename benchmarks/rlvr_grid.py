@@ -13,11 +13,16 @@ it finished. The cores are shared by every process of a run, as a user's single 
 ``--pin-engine-core`` the engine has core 0 to itself and everything else the other cores.
 
 Writes into ``--out``: ``results.json`` (per run: the eval curve as [step, seconds since launch, seconds since
-the first step's log, accuracy], the training reward per step, the mean version lag, the mean seconds per step of
+the first step's log, accuracy], each eval's own stamp as [step, weight version, seconds since the first step's
+start] where the run logged them, the training reward per step, the mean version lag, the mean seconds per step of
 each timed phase, the wall time), ``results.md`` (per configuration and seed: eval accuracy at each eval, mean eval
 accuracy = AUC over steps, final accuracy, AUC against wall-clock over a common horizon, seconds to sync's final
-accuracy; per configuration: where a step's time goes) and
-``eval_steps.png`` / ``eval_wall.png``. The reading is written by hand in docs/rlvr_grid.md.
+accuracy; per configuration against sync: the gain over the start value as a multiple of sync's beside the plain
+AUC's, per seed, and a frozen policy's row as the floor; where evals' stamps part from their labels; where a step's
+time goes) and ``eval_steps.png`` / ``eval_wall.png`` (and, from stamped evals, ``eval_version.png`` /
+``eval_time.png``: accuracy against the weight version measured and the eval's own time). The reading is written
+by hand in docs/rlvr_grid.md; README's "Which to pick" and docs/staleness.md's "What to turn on" quote only figures
+these files hold (tests/test_doc_figures.py checks it).
 
 ``--task target`` runs the same grid on the interior-optimum task (docs/staleness_target.md) with a held-out eval:
 the random tiny model, reward 1 − |f − 0.5| / 0.5 of the response's digit fraction f, 64 training prompts x 4
@@ -68,13 +73,15 @@ def parse_config(key: str):
 
 
 def read_run(tb_dir: str, launched: float) -> Dict:
-    """One run's curves from its event files: eval as [step, s since launch, s since step 1 was logged, value]."""
+    """One run's curves from its event files: eval as [step, s since launch, s since step 1 was logged, value] (the
+    times at which the trainer logged it), and each eval's own stamp (:func:`read_eval_stamps`)."""
     reward = scalar_events(tb_dir, "train/reward")
     first = reward[0][1] if reward else launched
     evals = [[s, w - launched, w - first, v] for s, w, v in scalar_events(tb_dir, EVAL)]
     lag = [v for _, _, v in scalar_events(tb_dir, "train/version_lag/mean")]
     return {
         "eval": evals,
+        "eval_stamps": read_eval_stamps(tb_dir),
         "reward": [[s, v] for s, _, v in reward],
         "lag_mean": statistics.mean(lag) if lag else None,
         "first_step_s": first - launched,
@@ -83,10 +90,29 @@ def read_run(tb_dir: str, launched: float) -> Dict:
     }
 
 
+def read_eval_stamps(tb_dir: str) -> List[List]:
+    """Each eval's own stamp, [step label, weight version, seconds], from what the eval logged itself: the weight
+    version the engines held while it generated (``eval/weight_version``: the weight syncs they had received, the
+    step of those weights in a run that syncs every step) and the seconds from the first step's start to the eval's
+    start (``eval/wall_clock_since_step1_s``); None where the run did not log one. The step label is where the
+    trainer logged the eval, which in an async run need not be the policy it measured."""
+    version = {s: v for s, _, v in scalar_events(tb_dir, "eval/weight_version")}
+    clock = {s: v for s, _, v in scalar_events(tb_dir, "eval/wall_clock_since_step1_s")}
+    return [[s, version.get(s), clock.get(s)] for s in sorted(set(version) | set(clock))]
+
+
+def stamped(run: Dict, field: int) -> List[List[float]]:
+    """[x, value] of the run's evals that carry stamp ``field`` (1: weight version, 2: the eval's own seconds since
+    the first step), x being that stamp; [] for a run recorded without stamps."""
+    stamp = {int(s[0]): s[field] for s in run.get("eval_stamps", []) if s[field] is not None}
+    return [[stamp[int(e[0])], e[3]] for e in run["eval"] if int(e[0]) in stamp]
+
+
 def read_dynamics(tb_dir: str) -> Dict:
     """The training side of a run, for reading why its eval went where it did: the training batch's mean digit
-    fraction per step (the interior-optimum task's reward logs it; [] otherwise) and the mean share of tokens
-    clipped by PPO's ratio clip and of TIS weights at the cap (None where the run does not log them)."""
+    fraction per step (the interior-optimum task's reward logs it; [] otherwise), the mean share of tokens
+    clipped by PPO's ratio clip and of TIS weights at the cap, and ESS-LR's mean ρ = ESS/B and LR scale (None
+    where the run does not log them)."""
 
     def mean(tag):
         values = [v for _, _, v in scalar_events(tb_dir, tag)]
@@ -96,6 +122,8 @@ def read_dynamics(tb_dir: str) -> Dict:
         "fraction": [[s, v] for s, _, v in scalar_events(tb_dir, "train/digit_fraction")],
         "ppo_clip": mean("train/ppo_clip_ratio"),
         "tis_clip": mean("train/tis/clip_frac"),
+        "rho_ess": mean("train/rho_ess"),
+        "lr_scale": mean("train/lr_scale"),
     }
 
 
@@ -254,6 +282,120 @@ def time_to(run: Dict, threshold: float, column: int = 2) -> Optional[float]:
     return next((e[column] for e in run["eval"] if e[3] >= threshold), None)
 
 
+def gain(run: Dict, start_value: float, steps: Optional[List[int]] = None) -> float:
+    """The AUC over steps less the start value: the part of the AUC the training added (0 for a policy never
+    trained; negative for one that fell below where it started)."""
+    return auc_steps(run, steps) - start_value
+
+
+def ratio(value: float, reference: float) -> Optional[float]:
+    """``value`` as a multiple of ``reference``; None where the reference is 0 (a sync that gained nothing)."""
+    return value / reference if reference else None
+
+
+def _times(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.2f}×".replace("-", "−")
+
+
+def _range(xs: List[float]) -> str:
+    """ "min–max" of per-seed ratios, as the docs quote them ("min to max" where min is negative; one value where
+    they agree to two decimals)."""
+    if not xs:
+        return "–"
+    low, high = f"{min(xs):.2f}", f"{max(xs):.2f}"
+    return (low if low == high else f"{low} to {high}" if min(xs) < 0 else f"{low}–{high}").replace("-", "−")
+
+
+def sooner(run: Dict, sync_run: Optional[Dict], threshold: float) -> bool:
+    """Whether the run reached ``threshold`` at an earlier eval time (since its first step's log) than the sync run
+    of the same seed; a run that reaches it where that sync run never does counts as sooner."""
+    mine = time_to(run, threshold)
+    if mine is None:
+        return False
+    theirs = time_to(sync_run, threshold) if sync_run is not None else None
+    return theirs is None or mine < theirs
+
+
+FROZEN = "frozen policy (the start, never trained)"
+
+
+def against_sync(
+    results: Dict[str, List[Dict]], start_value: float, steps: List[int], target: Optional[float], task: str = "rlvr"
+) -> List[str]:
+    """Every configuration against sync, the figures the docs quote: the gain over the start (AUC − start value) as a
+    multiple of sync's, with the plain AUC's multiple beside it, per-seed ranges paired by seed; the mean lag with its
+    per-run range; the step time and its multiple of sync's; how many paired seeds reached sync's final value sooner
+    than sync did. A frozen policy's row (the start value at every eval, never trained) is the floor."""
+    sync = results.get("sync | none")
+    if not sync:
+        return []
+    text = TASK_TEXT[task]
+    by_seed = {r["seed"]: r for r in sync}
+    sync_auc = statistics.mean(auc_steps(r, steps) for r in sync)
+    sync_gain = sync_auc - start_value
+    sync_step = [r["timing"]["step_total"] for r in sync if "step_total" in r.get("timing", {})]
+    sync_step = statistics.mean(sync_step) if sync_step else None
+    lines = [
+        "",
+        "## Against sync, and the floor",
+        "",
+        f"Gain = AUC (steps) − {start_value:.3f} ({text['start']}'s own eval): what the training added to the AUC. "
+        "× sync's = the mean over sync's mean, with the range of the per-seed ratios (each seed against sync's run "
+        "of the same seed) in brackets. The frozen policy is the start never trained: its eval is the start value "
+        "at every step (gain 0). Mean lag: the mean of the per-run means, each run's in brackets (versions). Step: "
+        "mean seconds per step after the warm-up; × sync's: over sync's. Sooner: paired seeds whose first eval ≥ "
+        "sync's mean final came earlier after the first step than sync's run of that seed.",
+        "",
+        "| configuration | seeds | gain over the start | × sync's gain (per seed) | AUC (steps) | × sync's AUC "
+        "(per seed) | mean lag (per run) | step (s) | × sync's step | sooner than sync |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    async_steps = []
+    for key, runs in results.items():
+        auc = {r["seed"]: auc_steps(r, steps) for r in runs}
+        paired = [s for s in auc if s in by_seed]
+        sync_seed = {s: auc_steps(by_seed[s], steps) for s in paired}
+        gains = [ratio(auc[s] - start_value, sync_seed[s] - start_value) for s in paired]
+        aucs = [ratio(auc[s], sync_seed[s]) for s in paired]
+        mean_auc = statistics.mean(auc.values())
+        lags = [r["lag_mean"] for r in runs if r["lag_mean"] is not None]
+        lag = f"{statistics.mean(lags):.2f} ({_range(lags)})" if lags else ("0" if key.startswith("sync") else "–")
+        step = [r["timing"]["step_total"] for r in runs if "step_total" in r.get("timing", {})]
+        step = statistics.mean(step) if step else None
+        step_ratio = ratio(step, sync_step) if step is not None and sync_step else None
+        if step_ratio is not None and not key.startswith("sync"):
+            async_steps.append(step_ratio)
+        reached = "–"
+        if target is not None and key != "sync | none":
+            reached = f"{sum(sooner(r, by_seed.get(r['seed']), target) for r in runs)} of {len(runs)}"
+        cells = [
+            key.replace(" | ", ": "),
+            str(len(runs)),
+            f"{mean_auc - start_value:.3f}".replace("-", "−"),
+            f"{_times(ratio(mean_auc - start_value, sync_gain))} ({_range([g for g in gains if g is not None])})",
+            f"{mean_auc:.3f}",
+            f"{_times(ratio(mean_auc, sync_auc))} ({_range([a for a in aucs if a is not None])})",
+            lag,
+            "–" if step is None else f"{step:.3f}",
+            _times(step_ratio),
+            reached,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    frozen = [ratio(start_value, auc_steps(r, steps)) for r in sync]
+    floor = [FROZEN, "–", "0.000", "0.00× (0.00)", f"{start_value:.3f}"]
+    floor += [
+        f"{_times(ratio(start_value, sync_auc))} ({_range([f for f in frozen if f is not None])})",
+        "0",
+        "–",
+        "–",
+    ]
+    floor.append("never" if target is not None and start_value < target else "–")
+    lines.append("| " + " | ".join(floor) + " |")
+    if async_steps:
+        lines += ["", f"Every async row's step against sync's: {_range(async_steps)}×."]
+    return lines
+
+
 # What the tables and figures call each task's eval
 TASK_TEXT = {
     "rlvr": {
@@ -315,6 +457,8 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
             f"{statistics.mean(lags):.2f}" if lags else ("0" if key.startswith("sync") else "not logged"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += against_sync(results, start_value, steps, target, task)
+    lines += stamp_table(results)
     lines += time_table(results)
     if task == "target":
         lines += dynamics_table(results)
@@ -323,13 +467,63 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
         lines.append(f"**{key.replace(' | ', ': ')}**")
         lines.append("")
         for r in sorted(runs, key=lambda r: r["seed"]):
-            cells = ", ".join(f"{int(s)}: {v:.3f} ({t:.0f} s)" for s, _, t, v in r["eval"])
+            stamp = {int(x[0]): x for x in r.get("eval_stamps", [])}
+            cells = ", ".join(
+                f"{int(s)}: {v:.3f} ({t:.0f} s{_stamp_text(stamp.get(int(s)))})" for s, _, t, v in r["eval"]
+            )
             lines.append(
                 f"- seed {r['seed']}: {cells}; AUC {auc_steps(r, steps):.3f}, final {final_acc(r, steps=steps):.3f}"
             )
         lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines))
+
+
+def _stamp_text(stamp: Optional[List]) -> str:
+    if stamp is None:
+        return ""
+    parts = ([f"version {stamp[1]:.0f}"] if stamp[1] is not None else []) + (
+        [f"ran at {stamp[2]:.0f} s"] if stamp[2] is not None else []
+    )
+    return "; " + ", ".join(parts) if parts else ""
+
+
+def stamp_table(results: Dict[str, List[Dict]]) -> List[str]:
+    """Where an eval's step label and the policy it measured part: per configuration, over every stamped eval, the
+    weight version less the step label and the seconds from the eval's own start to when the trainer logged it.
+    [] where no run carries stamps (runs recorded before the evals logged them)."""
+    rows = []
+    for key, runs in results.items():
+        versions, delays, n = [], [], 0
+        for r in runs:
+            logged = {int(e[0]): e[2] for e in r["eval"]}
+            for step, version, clock in r.get("eval_stamps", []):
+                if int(step) not in logged:
+                    continue
+                n += 1
+                if version is not None:
+                    versions.append(version - step)
+                if clock is not None:
+                    delays.append(logged[int(step)] - clock)
+        if n:
+            rows.append(
+                f"| {key.replace(' | ', ': ')} | {n} | {_span(versions, '{:.1f}')} | {_span(delays, '{:.1f}')} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "## Each eval's policy and time",
+        "",
+        "What each eval logged itself: the weight version the engines held while it generated (`eval/weight_version`) "
+        "and its start in seconds after the first step's start (`eval/wall_clock_since_step1_s`). Version − step: "
+        "how many steps newer the measured weights were than the step the eval is labelled with; logged − ran: how "
+        "long after its start the trainer logged it. Mean [min, max] over every stamped eval.",
+        "",
+        "| configuration | stamped evals | version − step | logged − ran (s) |",
+        "|---|---|---|---|",
+        *rows,
+    ]
 
 
 def time_table(results: Dict[str, List[Dict]]) -> List[str]:
@@ -392,26 +586,33 @@ def plot(results: Dict[str, List[Dict]], out: str, start_value: float, task: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figures = [
+        ("eval_steps.png", lambda r: [[e[0], e[3]] for e in r["eval"]], "training step (the eval's label)"),
+        (
+            "eval_wall.png",
+            lambda r: [[e[2], e[3]] for e in r["eval"]],
+            "seconds since the first training step was logged",
+        ),
+    ]
+    if any(stamped(r, 1) for runs in results.values() for r in runs):
+        figures.append(("eval_version.png", lambda r: stamped(r, 1), "weight version the eval measured (its step)"))
+    if any(stamped(r, 2) for runs in results.values() for r in runs):
+        figures.append(("eval_time.png", lambda r: stamped(r, 2), "seconds from the first step's start to the eval's"))
     paths = []
-    for name, column, xlabel in (
-        ("eval_steps.png", 0, "training step"),
-        ("eval_wall.png", 2, "seconds since the first training step was logged"),
-    ):
+    for name, points, xlabel in figures:
         fig, ax = plt.subplots(figsize=(10.5, 4.8))
         for i, (key, runs) in enumerate(results.items()):
             color = f"C{i}" if len(results) <= 10 else plt.get_cmap("tab20")(i % 20)  # no colour twice
-            for r in runs:  # every seed, thin
-                ax.plot(
-                    [0] + [e[column] for e in r["eval"]],
-                    [start_value] + [e[3] for e in r["eval"]],
-                    color=color,
-                    alpha=0.25,
-                    linewidth=0.8,
-                )
-            n = min(len(r["eval"]) for r in runs)
-            xs = [0] + [statistics.mean(r["eval"][j][column] for r in runs) for j in range(n)]
-            ys = [start_value] + [statistics.mean(r["eval"][j][3] for r in runs) for j in range(n)]
-            ax.plot(xs, ys, color=color, linewidth=2, label=f"{key.replace(' | ', ': ')} ({len(runs)} seeds)")
+            curves = [points(r) for r in runs]
+            curves = [c for c in curves if c]  # a run recorded without the stamps this figure needs: left out
+            if not curves:
+                continue
+            for c in curves:  # every seed, thin
+                ax.plot([0] + [x for x, _ in c], [start_value] + [v for _, v in c], color=color, alpha=0.25, lw=0.8)
+            n = min(len(c) for c in curves)
+            xs = [0] + [statistics.mean(c[j][0] for c in curves) for j in range(n)]
+            ys = [start_value] + [statistics.mean(c[j][1] for c in curves) for j in range(n)]
+            ax.plot(xs, ys, color=color, linewidth=2, label=f"{key.replace(' | ', ': ')} ({len(curves)} seeds)")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(TASK_TEXT[task]["ylabel"])
         ax.set_title(f"Held-out {TASK_TEXT[task]['value']} of the current policy: mean (thick) and every seed (thin)")

@@ -205,3 +205,84 @@ def test_the_target_training_side_table_reads_overshoot_and_clip_shares():
     )
     assert not any(line.startswith("| sync") for line in lines)
     assert rlvr_grid.dynamics_table({"sync | none": [{"eval": []}]}) == []
+
+
+def _timed(points, seed, lag=None, step=None):
+    run = _run(points, seed)
+    run.update(lag_mean=lag, timing={"step_total": step} if step is not None else {})
+    return run
+
+
+def test_against_sync_gives_gain_over_the_start_beside_the_plain_auc_and_the_frozen_floor():
+    # start 0.1. sync: seed 0 evals 0.2, 0.4 (AUC 0.3), seed 1 0.3, 0.5 (AUC 0.4): mean AUC 0.35, gain 0.25;
+    # its mean final (both evals) 0.35, reached at 20 s in both seeds; steps 0.5 and 0.7 s -> 0.6 s
+    sync = [
+        _timed([(25, 10.0, 0.2), (50, 20.0, 0.4)], 0, step=0.5),
+        _timed([(25, 10.0, 0.3), (50, 20.0, 0.5)], 1, step=0.7),
+    ]
+    # TIS: seed 0 AUC 0.2 (gain 0.1), never reaches 0.35; seed 1 AUC 0.3 (gain 0.2), reaches it at 5 s < 20 s
+    tis = [
+        _timed([(25, 5.0, 0.1), (50, 10.0, 0.3)], 0, lag=2.0, step=0.9),
+        _timed([(25, 5.0, 0.4), (50, 15.0, 0.2)], 1, lag=4.0, step=1.5),
+    ]
+    # none: AUC 0.05 in both seeds, below the start: gain -0.05
+    none = [_timed([(25, 5.0, 0.05), (50, 10.0, 0.05)], 0), _timed([(25, 5.0, 0.0), (50, 10.0, 0.1)], 1)]
+    results = {"sync | none": sync, "async q8 + partial | TIS": tis, "async q8 + partial | none": none}
+    lines = rlvr_grid.against_sync(results, 0.1, [25, 50], target=0.35)
+    assert "| sync: none | 2 | 0.250 | 1.00× (1.00) | 0.350 | 1.00× (1.00) | 0 | 0.600 | 1.00× | – |" in lines
+    # gain 0.15 / 0.25 = 0.60x, per seed 0.1 / 0.2 = 0.50 and 0.2 / 0.3 = 0.67; AUC 0.25 / 0.35 = 0.71x, per seed
+    # 0.2 / 0.3 = 0.67 and 0.3 / 0.4 = 0.75; lag (2 + 4) / 2; step 1.2 s = 2x sync's 0.6 s
+    assert (
+        "| async q8 + partial: TIS | 2 | 0.150 | 0.60× (0.50–0.67) | 0.250 | 0.71× (0.67–0.75) | 3.00 (2.00–4.00) "
+        "| 1.200 | 2.00× | 1 of 2 |" in lines
+    )
+    # -0.05 / 0.25 = -0.20x, per seed -0.05 / 0.2 = -0.25 and -0.05 / 0.3 = -0.17; AUC 0.05 / 0.35 = 0.14x, per
+    # seed 0.05 / 0.4 = 0.125 (printed 0.12: half to even) and 0.05 / 0.3 = 0.17
+    assert (
+        "| async q8 + partial: none | 2 | −0.050 | −0.20× (−0.25 to −0.17) | 0.050 | 0.14× (0.12–0.17) | – | – | – "
+        "| 0 of 2 |" in lines
+    )
+    # never trained: 0.1 at every eval, gain 0; AUC 0.1 / 0.35 = 0.29x, per seed 0.1 / 0.4 = 0.25 to 0.1 / 0.3 = 0.33
+    assert (
+        f"| {rlvr_grid.FROZEN} | – | 0.000 | 0.00× (0.00) | 0.100 | 0.29× (0.25–0.33) | 0 | – | – | never |" in lines
+    )
+    assert "Every async row's step against sync's: 2.00×." in lines
+    assert rlvr_grid.against_sync({"async q8 + partial | TIS": tis}, 0.1, [25, 50], target=None) == []
+
+
+def test_each_eval_is_read_with_the_version_it_measured_and_its_own_time(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    writer.add_scalar("train/reward", 0.1, 1, walltime=1000.0)
+    # labelled 25 and 50, logged 30 s and 55 s after step 1; the evals themselves measured versions 33 and 58 and
+    # started 20 s and 40 s after step 1's start
+    for step, wall, version, clock in ((25, 1030.0, 33, 20.0), (50, 1055.0, 58, 40.0)):
+        writer.add_scalar(rlvr_grid.EVAL, 0.2 if step == 25 else 0.3, step, walltime=wall)
+        writer.add_scalar("eval/weight_version", version, step, walltime=wall)
+        writer.add_scalar("eval/wall_clock_since_step1_s", clock, step, walltime=wall)
+    for step, rho in ((1, 0.5), (2, 0.7)):
+        writer.add_scalar("train/rho_ess", rho, step, walltime=1000.0 + step)
+    writer.close()
+    run = rlvr_grid.read_run(str(tmp_path / "tb"), launched=990.0)
+    assert run["eval_stamps"] == [[25, 33.0, pytest.approx(20.0)], [50, 58.0, pytest.approx(40.0)]]
+    assert [[s, pytest.approx(t)] for s, _, t, _ in run["eval"]] == [[25, 30.0], [50, 55.0]]
+    assert rlvr_grid.stamped(run, 1) == [[33.0, pytest.approx(0.2)], [58.0, pytest.approx(0.3)]]
+    assert rlvr_grid.stamped(run, 2) == [
+        [pytest.approx(20.0), pytest.approx(0.2)],
+        [pytest.approx(40.0), pytest.approx(0.3)],
+    ]
+    assert run["dynamics"]["rho_ess"] == pytest.approx(0.6) and run["dynamics"]["lr_scale"] is None
+    # version - label: 8 both times; logged - ran: 30 - 20 = 10 and 55 - 40 = 15 s
+    lines = rlvr_grid.stamp_table({"async q8 + partial | TIS": [run]})
+    assert "| async q8 + partial: TIS | 2 | 8.0 [8.0, 8.0] | 12.5 [10.0, 15.0] |" in lines
+    assert rlvr_grid.stamp_table({"sync | none": [RUN]}) == [] and rlvr_grid.stamped(RUN, 1) == []
+
+
+def test_stamped_evals_get_their_own_figures(tmp_path):
+    plain = dict(_run([(25, 10.0, 0.2), (50, 20.0, 0.3)]), eval_stamps=[])
+    stamped = dict(_run([(25, 10.0, 0.2), (50, 20.0, 0.3)]), eval_stamps=[[25, 31.0, 8.0], [50, 56.0, None]])
+    names = lambda paths: sorted(p.rsplit("/", 1)[1] for p in paths)  # noqa: E731
+    assert names(rlvr_grid.plot({"sync | none": [plain]}, str(tmp_path), 0.1)) == ["eval_steps.png", "eval_wall.png"]
+    paths = rlvr_grid.plot({"sync | none": [plain], "async q8 + partial | TIS": [stamped]}, str(tmp_path), 0.1)
+    assert names(paths) == ["eval_steps.png", "eval_time.png", "eval_version.png", "eval_wall.png"]
