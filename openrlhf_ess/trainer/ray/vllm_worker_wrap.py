@@ -7,7 +7,7 @@ vLLM's CPU linears are repacked after loading, so per-tensor ``load_weights`` is
 trainer ships the weights as safetensors messages of at most :data:`RELOAD_MESSAGE_BYTES` each
 (:func:`weight_messages`); every worker stages them (:class:`StagedWeights`) and, at the last one, loads the
 whole set in one pass with vLLM's own ``reload_weights``, which re-runs the post-load processing (repacking)
-correctly on every backend.
+correctly on every backend, but for a tied LM head, which it never reloads (:func:`refresh_tied_heads`).
 """
 
 import json
@@ -210,6 +210,35 @@ def _drain(tensors: Dict[str, torch.Tensor]) -> Iterator[Tuple[str, torch.Tensor
         yield name, tensors.pop(name)
 
 
+def refresh_tied_heads(model: torch.nn.Module) -> List[str]:
+    """Re-run vLLM's post-load processing of every unquantized LM head whose weight is another module's (tied input
+    and output embeddings); returns their module names.
+
+    vLLM ties a head by sharing the input embedding's parameter (``ParallelLMHead.tie_weights``), and its models
+    skip ``lm_head.*`` when they load a tied checkpoint. ``reload_weights`` therefore writes the new values into the
+    shared parameter through the embedding but never processes the head ("ParallelLMHead: Failed to load weights"):
+    on vLLM's CPU backend the head computes the logits from a kernel handle packed from the weight at start-up
+    (``dispatch_cpu_unquantized_gemm``), so every sync would leave the engine sampling from the trained body and the
+    pretrained head, while the shared parameter, which the checksums read, holds the trained values. Re-running the
+    processing repacks the handle from the trained weight (one transient copy of the head); on GPU it is a no-op.
+    A quantized head is left alone: its processing transforms the weight and must not run twice."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+
+    holders: Dict[int, int] = {}  # id(parameter) -> how many distinct modules register it
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders[id(param)] = holders.get(id(param), 0) + 1
+    refreshed = []
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight") if isinstance(module, ParallelLMHead) else None
+        if weight is None or holders.get(id(weight), 0) < 2:
+            continue
+        if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
+            module.quant_method.process_weights_after_loading(module)
+            refreshed.append(name)
+    return refreshed
+
+
 _KEPT_RANK = threading.local()  # set while vLLM's Sampler.forward runs in this worker process
 
 
@@ -307,6 +336,7 @@ class WorkerWrap(_UpstreamWorkerWrap):
         filter_vllm_reload_warning()  # vLLM's harmless "RotaryEmbedding: Failed to load weights" at every sync
         count = len(tensors)
         self.reload_weights(weights_iterator=_drain(tensors))
+        refresh_tied_heads(self.model_runner.model)  # a tied LM head is never reloaded by vLLM itself
         return count
 
     def weight_checksums(self, with_replicas: bool = False):

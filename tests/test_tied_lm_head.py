@@ -1,0 +1,160 @@
+"""The reload sync with tied input and output embeddings (``tie_word_embeddings``): the engine's LM head must compute
+with the trained weights.
+
+A tied model's trainer sends no ``lm_head.weight`` (``named_parameters`` yields the shared parameter once, as the
+embedding), and vLLM skips ``lm_head.*`` for a tied model anyway: its head shares the embedding's parameter. vLLM's
+``reload_weights`` writes the new values into that parameter but never re-processes the head, and on the CPU backend
+the head computes from a kernel handle packed at start-up, so the engine went on sampling from the trained body and
+the pretrained head (``vllm_worker_wrap.refresh_tied_heads``). Here a real vLLM CPU engine (in a subprocess:
+``python -m tests.test_tied_lm_head MODEL OUT``, vLLM keeps process-wide state) takes two syncs through the reload
+path in several messages: the first with the refresh switched off, which reproduces the stale head (the test can see
+the fault), the second as shipped. Its prompt log-probs are compared with HF's forward of the weights sent.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IDS = [5, 17, 30, 41, 12, 9, 60, 33, 21, 8, 44, 3, 27]
+BOUND = 16 << 10  # the tiny model (~0.2 MB) in a dozen messages, its embedding split
+
+
+def _build_model(folder: str) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from openrlhf_ess.tiny.world import build_tokenizer
+
+    tok = build_tokenizer(folder)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(folder)
+
+
+def _trained(folder: str, seed: int):
+    """The tied model with every parameter moved (the embedding, hence the head, by 0.2 per element), and what a
+    trainer's sync sends of it: its ``named_parameters``, the shared one once."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _hf_log_probs(model) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([IDS])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(IDS[1:])[:, None])[:, 0]
+
+
+def main(folder: str, out: str) -> None:
+    """The engine side: two syncs of :func:`_trained` weights (seeds 1 and 2) through the reload path, the first with
+    ``refresh_tied_heads`` switched off; the engine's prompt log-probs of :data:`IDS` after each, written to ``out``.
+    The engine's worker runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the switch reaches it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from openrlhf_ess.tiny.engine import tiny_engine
+    from openrlhf_ess.trainer.ray import vllm_worker_wrap as wire
+    from openrlhf_ess.trainer.ray.vllm_engine import WORKER_EXTENSION
+
+    llm = tiny_engine(folder, "float32", worker_extension_cls=WORKER_EXTENSION)
+
+    def engine_log_probs():
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        final = llm.generate(TokensPrompt(prompt_token_ids=IDS), params, use_tqdm=False)[0]
+        return [step[t].logprob for step, t in zip(final.prompt_logprobs[1:], IDS[1:])]
+
+    def sync(state):
+        messages = list(wire.weight_messages(state.items(), BOUND))
+        for blob, last in messages:
+            llm.collective_rpc(
+                "load_weights_from_safetensors" if last else "stage_weights_from_safetensors", args=(blob,)
+            )
+        llm.reset_prefix_cache()
+        return len(messages)
+
+    result = {"start": engine_log_probs()}
+    shipped = wire.refresh_tied_heads
+    wire.refresh_tied_heads = lambda model: []  # the sync as it was: the head never re-processed
+    try:
+        result["messages"] = sync(_trained(folder, 1)[1])
+        result["unrefreshed"] = engine_log_probs()
+    finally:
+        wire.refresh_tied_heads = shipped
+    sync(_trained(folder, 2)[1])
+    result["refreshed"] = engine_log_probs()
+    result["heads"] = llm.collective_rpc(lambda self: wire.refresh_tied_heads(self.model_runner.model))
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def test_a_tied_lm_head_takes_the_trained_weights_on_a_real_engine(tmp_path):
+    """fp32 engine and fp32 HF agree to ~1e-6 nats; the head left at the pretrained embedding is ~1 nat away."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    folder, out = str(tmp_path / "model"), tmp_path / "log_probs.json"
+    _build_model(folder)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.test_tied_lm_head", folder, str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["messages"] > 1
+    assert result["heads"] == [["lm_head"]]  # the worker finds the tied head
+
+    pretrained = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert pretrained.lm_head.weight is pretrained.model.embed_tokens.weight
+    assert (torch.tensor(result["start"]) - _hf_log_probs(pretrained)).abs().max().item() < 1e-4
+
+    def body_and_head(seed, head):
+        """HF's forward of the ``seed`` weights with the LM head replaced by ``head`` (untied)."""
+        model, sent = _trained(folder, seed)
+        assert "lm_head.weight" not in sent and "model.embed_tokens.weight" in sent  # what the trainer sends
+        untied = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tie_word_embeddings=False).eval()
+        untied.load_state_dict(
+            {**sent, "lm_head.weight": head if head is not None else sent["model.embed_tokens.weight"]}
+        )
+        return _hf_log_probs(untied)
+
+    old_head = load_file(os.path.join(folder, "model.safetensors"))["model.embed_tokens.weight"]
+    # the fault reproduced (refresh off): the engine is the trained body under the pretrained head
+    unrefreshed = torch.tensor(result["unrefreshed"])
+    assert (unrefreshed - body_and_head(1, old_head)).abs().max().item() < 1e-4
+    assert (unrefreshed - body_and_head(1, None)).abs().max().item() > 0.1
+    # as shipped: the engine computes the sent model, head included
+    refreshed = torch.tensor(result["refreshed"])
+    assert (refreshed - _hf_log_probs(_trained(folder, 2)[0])).abs().max().item() < 1e-4
+    assert (refreshed - body_and_head(2, old_head)).abs().max().item() > 0.1
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
