@@ -1,10 +1,12 @@
 """μ and per-token versions from a real vLLM (CPU) engine across a mid-response weight sync.
 
-The engine (our RolloutRayActor in a Ray actor, fp32) generates long responses; while they are in
-flight the test pauses generation, pushes new weights through the same path training uses
-(``load_weights_from_safetensors`` = vLLM ``reload_weights``), sets the version and resumes — a
-partial rollout. Every token's μ must equal the HF log-prob under the weights of the version it is
-tagged with (fp32: ~1e-5) and not the other version's; a boundary off by one token fails.
+The engine (our RolloutRayActor in a Ray actor, fp32, prefix caching on with 32-token blocks) generates long
+responses; while they are in flight the test pauses generation, pushes new weights through the same path training
+uses (``load_weights_from_safetensors`` = vLLM ``reload_weights``), sets the version and resumes — a partial
+rollout. Every token's μ must equal the HF log-prob under the weights of the version it is tagged with, the HF
+forward scoring the whole prefix with those weights (fp32: ~1e-5), and not the other version's; a boundary off by
+one token fails, and so would a post-sync token that attended to KV the old weights computed (each request has
+full, cached blocks of its own before the sync).
 """
 
 import contextlib
@@ -38,6 +40,8 @@ def _engine_kwargs(model_dir):
         num_gpus=0,
         force_logprobs=True,
         track_versions=True,
+        enable_prefix_caching=True,
+        block_size=32,
     )
 
 
@@ -50,6 +54,27 @@ def _hf_logprobs(model, obs, start, end, eos_id):
     lp = logits.log_softmax(-1)
     idx = torch.arange(start, end)
     return lp[idx - 1, torch.tensor(obs[start:end])]
+
+
+def test_refused_prefix_cache_reset_stops_the_sync():
+    """vLLM answers False (a warning only) when requests still hold KV blocks; the engine must stop, naming the
+    version and the requests, not carry on with old-weight KV under a new tag."""
+    import asyncio
+
+    from openrlhf_ess.trainer.ray.vllm_engine import RolloutRayActorImpl
+
+    class Llm:
+        answer = False
+
+        async def reset_prefix_cache(self):
+            return self.answer
+
+    engine = RolloutRayActorImpl.__new__(RolloutRayActorImpl)
+    engine.llm, engine.weight_version, engine._inflight = Llm(), 3, {"a": None, "b": None}
+    with pytest.raises(RuntimeError, match=r"after version 3: vLLM refused .* 2 in-flight request"):
+        asyncio.run(engine.reset_prefix_cache())
+    engine.llm.answer = True
+    assert asyncio.run(engine.reset_prefix_cache()) is True
 
 
 @pytest.mark.stack
@@ -76,7 +101,7 @@ def test_mu_and_versions_exact_across_mid_flight_sync(tiny_world):
         deadline = time.time() + 120
         while True:  # wait until every request has streamed some tokens, then sync mid-flight
             streamed = ray.get(engine.inflight_tokens.remote())
-            if len(streamed) == len(prompts) and min(streamed) >= 20:
+            if len(streamed) == len(prompts) and min(streamed) >= 70:  # >= 2 full 32-token blocks of response
                 break
             assert time.time() < deadline, f"requests did not start streaming: {streamed}"
             time.sleep(0.01)
@@ -99,7 +124,7 @@ def test_mu_and_versions_exact_across_mid_flight_sync(tiny_world):
         assert versions[:start] == [-1] * start  # prompt tokens carry no version
         tags = versions[start:end]
         boundary = tags.index(1)
-        assert 20 <= boundary < MAX_TOKENS and tags == [0] * boundary + [1] * (MAX_TOKENS - boundary)
+        assert 70 <= boundary < MAX_TOKENS and tags == [0] * boundary + [1] * (MAX_TOKENS - boundary)
         mu = torch.tensor(mu[start:end])
         hf = {v: _hf_logprobs(models[v], obs, start, end, tok.eos_token_id) for v in (0, 1)}
         tagged = torch.where(torch.tensor(tags) == 0, hf[0], hf[1])

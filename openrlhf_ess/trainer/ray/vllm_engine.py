@@ -640,10 +640,31 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
                     await self.stage_weights_from_safetensors(message)
             blob = message
         counts = await self.llm.collective_rpc("load_weights_from_safetensors", args=(blob,))
-        await self.llm.reset_prefix_cache()
+        await self.reset_prefix_cache()
         t0 = time.time()
         checksums = await self.weight_checksums() if with_checksums else None
         return {"counts": counts, "checksums": checksums, "checksum_seconds": time.time() - t0}
+
+    async def reset_prefix_cache(self) -> bool:
+        """Overrides upstream's, which ignores vLLM's answer: drop the prefix cache around a weight sync, and stop if
+        vLLM refuses.
+
+        vLLM's ``reset_prefix_cache`` (``v1/core/sched/scheduler.py``, 0.29 and 0.31) returns False, with a warning
+        only, while any request holds KV blocks. A sync never meets that on its own: generation is idle, or paused
+        with ``mode="keep"``, whose default ``clear_cache=True`` preempts every running request (back to the waiting
+        queue, blocks freed) and resets the cache itself, so a paused request recomputes its whole prefix with the new
+        weights when it resumes (docs/off_policy.md). A refusal means requests still hold KV computed by the old
+        weights: their next tokens would attend to it while tagged with the new version, so μ would be neither
+        version's log-prob. Called after our ``reload`` sync's load, and by upstream before its NCCL broadcast."""
+        if await self.llm.reset_prefix_cache():
+            return True
+        raise RuntimeError(
+            f"weight sync after version {self.weight_version}: vLLM refused to reset its prefix cache, so "
+            f"{len(self._inflight)} in-flight request(s) still hold KV blocks computed by the old weights; their next "
+            "tokens would attend to that KV under the new version's tag (μ would be neither version's log-prob). "
+            "Generation must be idle or paused with vLLM's default clear_cache=True during a sync; something paused "
+            "it without clearing the cache (a patched pause_generation, or a vLLM version whose pause keeps the KV)."
+        )
 
 
 RolloutRayActor = ray.remote(RolloutRayActorImpl)
