@@ -700,11 +700,14 @@ def main() -> None:
     command = "python -m benchmarks.rlvr_grid " + shlex.join(sys.argv[1:])
     backfilled = False
     tb_name = "tb" if a.task == "target" else "tensorboard"
-    for key, runs in results.items():  # runs recorded before the timing or dynamics were: read from their folders
+    for key, runs in results.items():  # runs recorded before these were kept: read from their folders, if still there
         for r in runs:
             tb_dir = os.path.join(a.workdir, run_dir_name(key, r["seed"]) + suffix, tb_name)
             if "timing" not in r and os.path.isdir(tb_dir):
                 r["timing"] = read_timing(tb_dir)
+                backfilled = True
+            if "eval_stamps" not in r and os.path.isdir(tb_dir):  # each eval's own version and time, if it logged them
+                r["eval_stamps"] = read_eval_stamps(tb_dir)
                 backfilled = True
             if a.task == "target" and "dynamics" not in r and os.path.isdir(tb_dir):
                 r["dynamics"] = read_dynamics(tb_dir)

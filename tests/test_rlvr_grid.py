@@ -286,3 +286,22 @@ def test_stamped_evals_get_their_own_figures(tmp_path):
     assert names(rlvr_grid.plot({"sync | none": [plain]}, str(tmp_path), 0.1)) == ["eval_steps.png", "eval_wall.png"]
     paths = rlvr_grid.plot({"sync | none": [plain], "async q8 + partial | TIS": [stamped]}, str(tmp_path), 0.1)
     assert names(paths) == ["eval_steps.png", "eval_time.png", "eval_version.png", "eval_wall.png"]
+
+
+def test_a_rerender_reads_the_stamps_of_runs_recorded_without_them_from_their_folders(tmp_path, monkeypatch):
+    from torch.utils.tensorboard import SummaryWriter
+
+    out, workdir = tmp_path / "out", tmp_path / "runs"
+    out.mkdir()
+    run = dict(_run([(25, 10.0, 0.2)]), lag_mean=None, first_step_s=30.0, wall_s=90.0, timing={})
+    (out / "results.json").write_text(json.dumps({"_warm_start_accuracy": 0.1, "sync | none": [run]}))
+    writer = SummaryWriter(str(workdir / rlvr_grid.run_dir_name("sync | none", 0) / "tensorboard"))
+    writer.add_scalar("eval/weight_version", 25, 25)
+    writer.add_scalar("eval/wall_clock_since_step1_s", 9.5, 25)
+    writer.close()
+    monkeypatch.setattr("sys.argv", ["rlvr_grid", "--from-json", "--out", str(out), "--workdir", str(workdir)])
+    rlvr_grid.main()
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["sync | none"][0]["eval_stamps"] == [[25, 25.0, pytest.approx(9.5)]]
+    assert "- seed 0: 25: 0.200 (10 s; version 25, ran at 10 s)" in (out / "results.md").read_text()
+    assert (out / "eval_version.png").exists() and (out / "eval_time.png").exists()
