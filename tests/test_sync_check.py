@@ -388,3 +388,99 @@ def test_repacked_qkv_is_reported_by_what_each_worker_loaded():
     assert sorted(workers[0][0]) == sorted(trainer)
     merged = sync_check.merge_tensor_parallel([w for w, _ in workers], trainer, [r for _, r in workers])
     assert sync_check.mismatched(trainer, merged, sync_check.SAME_DTYPE_TOL) == ([], 6)
+
+
+# ---- a tied LM head, checked by what it computes
+#
+# vLLM ties its head by registering the embedding's parameter on it; on its CPU backend the head computes the logits
+# from a kernel handle packed from that weight. Below, a head whose "kernel" holds its own copy of the weight (the
+# packed handle), sharded over the vocabulary like vLLM's, against the trainer's embedding.
+
+
+class _Kernel:
+    """``quant_method`` of a head: computes x @ Wᵀ from the copy of W it packed (``pack``), not from the parameter."""
+
+    def pack(self, layer):
+        layer.packed = layer.weight.detach().clone()
+
+    def apply(self, layer, x, bias=None):
+        return x @ layer.packed.t()
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, weight: torch.nn.Parameter, tp: int):
+        super().__init__()
+        self.weight, self.tp_size, self.num_embeddings_per_partition = weight, tp, weight.shape[0]
+        self.quant_method = _Kernel()
+        self.quant_method.pack(self)
+
+
+def _tied_engine(shard: torch.Tensor, tp: int):
+    """A worker's model: ``model.embed_tokens`` and ``lm_head`` registering one parameter (its vocabulary shard)."""
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.embed_tokens = torch.nn.Module()
+    root.model.embed_tokens.weight = torch.nn.Parameter(shard.clone())
+    root.model.embed_tokens.num_embeddings_per_partition = shard.shape[0]
+    root.lm_head = _Head(root.model.embed_tokens.weight, tp)
+    return root
+
+
+def _tied_trainer_sums(embedding: torch.Tensor):
+    """What the trainer reports of a tied model: the embedding once, and its probe columns as the head's (by hand:
+    the float64 sums of the chosen columns)."""
+    ours = sync_check.trainer_checksums([("model.embed_tokens.weight", embedding)])
+    cols = embedding[:, sync_check.probe_columns(embedding.shape[1])].double()
+    ours["lm_head.weight[applied]"] = (cols.sum().item(), (cols * cols).sum().item(), cols.numel())
+    return ours
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_stale_tied_head_is_named_though_its_parameter_holds_the_new_weights(tp):
+    """The trainer's embedding (10 tokens, padded to 12, hidden 16) is loaded into the shared parameter; the head's
+    kernel still holds the old one. The parameter's sums match, the head's applied columns do not, and only they are
+    named; once the kernel is repacked (vLLM's processing re-run), everything matches."""
+    g = torch.Generator().manual_seed(0)
+    old, new = torch.randn(10, 16, generator=g), torch.randn(10, 16, generator=g)
+    padded = lambda t: torch.cat([t, torch.zeros(2, 16)])  # noqa: E731
+    models = [_tied_engine(padded(old).chunk(tp)[w], tp) for w in range(tp)]
+    for model, shard in zip(models, padded(new).chunk(tp)):
+        model.model.embed_tokens.weight.data.copy_(shard)  # the reload: through the embedding, into the shared tensor
+    assert all(m.lm_head.weight is m.model.embed_tokens.weight for m in models)
+    ours = _tied_trainer_sums(new)
+
+    def check():
+        workers = [sync_check.engine_checksums(m, tp, tied_heads=["lm_head"]) for m in models]
+        if tp == 1:
+            theirs = workers[0][0]
+        else:
+            theirs = sync_check.merge_tensor_parallel([s for s, _ in workers], ours, [r for _, r in workers])
+        return sync_check.mismatched(ours, theirs, sync_check.SAME_DTYPE_TOL)
+
+    assert check() == (["lm_head.weight[applied]"], 2)
+    for m in models:
+        m.lm_head.quant_method.pack(m.lm_head)
+    assert check() == ([], 2)
+
+
+def test_the_applied_columns_are_the_weight_s_columns_exactly_in_bf16():
+    """One-hot hidden states make the head's logits its weight's columns with no rounding, in bf16 as in fp32, so the
+    comparison keeps the same-dtype tolerance."""
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    head = _Head(torch.nn.Parameter(w), 1)
+    cols = w[:, sync_check.probe_columns(64)].double()
+    s, ss, n = sync_check.applied_head_checksum(head)
+    assert (s, ss, n) == (cols.sum().item(), (cols * cols).sum().item(), cols.numel())
+    assert sync_check.probe_columns(64) == [0, 9, 18, 27, 36, 45, 54, 63] and sync_check.probe_columns(3) == [0, 1, 2]
+
+
+def test_tied_head_finds_an_hf_model_s_shared_embedding_and_nothing_when_untied():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    tied = Qwen2ForCausalLM(Qwen2Config(**cfg, tie_word_embeddings=True))
+    name, weight = sync_check.tied_head(tied)
+    assert name == "lm_head" and weight is tied.model.embed_tokens.weight
+    assert "lm_head.weight" not in dict(tied.named_parameters())  # the trainer sends the shared tensor once
+    assert sync_check.tied_head(Qwen2ForCausalLM(Qwen2Config(**cfg, tie_word_embeddings=False))) is None
+    assert sync_check.tied_head(torch.nn.Linear(2, 2)) is None

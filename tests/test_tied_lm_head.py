@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 
+from openrlhf_ess.trainer import sync_check
+
 pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes: not in --fast
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,16 +97,20 @@ def main(folder: str, out: str) -> None:
         llm.reset_prefix_cache()
         return len(messages)
 
+    def checksums():  # what the worker reports to the trainer's sync check
+        ((dtype, sums),) = llm.collective_rpc("weight_checksums")
+        return {name: list(c) for name, c in sums.items()}
+
     result = {"start": engine_log_probs()}
     shipped = wire.refresh_tied_heads
     wire.refresh_tied_heads = lambda model: []  # the sync as it was: the head never re-processed
     try:
         result["messages"] = sync(_trained(folder, 1)[1])
-        result["unrefreshed"] = engine_log_probs()
+        result["unrefreshed"], result["unrefreshed_sums"] = engine_log_probs(), checksums()
     finally:
         wire.refresh_tied_heads = shipped
     sync(_trained(folder, 2)[1])
-    result["refreshed"] = engine_log_probs()
+    result["refreshed"], result["refreshed_sums"] = engine_log_probs(), checksums()
     result["heads"] = llm.collective_rpc(lambda self: wire.refresh_tied_heads(self.model_runner.model))
     with open(out, "w") as f:
         json.dump(result, f)
@@ -154,6 +160,33 @@ def test_a_tied_lm_head_takes_the_trained_weights_on_a_real_engine(tmp_path):
     refreshed = torch.tensor(result["refreshed"])
     assert (refreshed - _hf_log_probs(_trained(folder, 2)[0])).abs().max().item() < 1e-4
     assert (refreshed - body_and_head(2, old_head)).abs().max().item() > 0.1
+
+    # The sync check's view. The shared parameter holds the sent embedding either way, so its sums cannot tell; the
+    # head's logits for one-hot hidden states (lm_head.weight[applied]) are the columns its kernel computes with.
+    cols = sync_check.probe_columns(old_head.shape[1])
+    for key, seed, head_source in (("unrefreshed_sums", 1, "pretrained"), ("refreshed_sums", 2, "sent")):
+        theirs, sent = result[key], _trained(folder, seed)[1]["model.embed_tokens.weight"]
+        assert _close(theirs["model.embed_tokens.weight"], _sums(sent))
+        head = old_head if head_source == "pretrained" else sent
+        assert _close(theirs["lm_head.weight[applied]"], _sums(head[:, cols])), key
+        assert not _close(theirs["lm_head.weight[applied]"], _sums((sent if head is old_head else old_head)[:, cols]))
+    # what the trainer's check makes of the stale head: named, at the first sync
+    ours = sync_check.trainer_checksums(_trained(folder, 1)[1].items())
+    ours["lm_head.weight[applied]"] = _sums(_trained(folder, 1)[1]["model.embed_tokens.weight"][:, cols])
+    stale = {k: tuple(v) for k, v in result["unrefreshed_sums"].items()}
+    assert sync_check.mismatched(ours, stale, sync_check.SAME_DTYPE_TOL)[0] == ["lm_head.weight[applied]"]
+
+
+def _sums(t: torch.Tensor):
+    """(Σx, Σx², n) in float64, written here independently of sync_check."""
+    x = t.detach().double().reshape(-1)
+    return float(x.sum()), float((x * x).sum()), x.numel()
+
+
+def _close(a, b, tol: float = 1e-9) -> bool:
+    """Both sums within ``tol`` of their scale (the vocabulary padding adds zeros, and n with them)."""
+    scale = (b[2] * b[1]) ** 0.5
+    return abs(a[0] - b[0]) <= tol * scale and abs(a[1] - b[1]) <= tol * b[1]
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ vocabulary) changes neither. vLLM's fused ``qkv_proj`` is compared part by part 
 (:func:`merge_tensor_parallel` counts it once). With the same dtype on both sides the sums agree to float64
 rounding, so a tensor that differs by a single small update is caught and named — which the canary's
 log-prob tolerance cannot do. The canary stays: it checks the engine's numerics end to end.
+
+A tied LM head (input and output embeddings one tensor) is also checked by what it computes
+(:func:`applied_head_checksum`): vLLM's head registers the embedding's parameter, so the parameter's sums cannot
+see a head that computes from a stale copy of it (vLLM's CPU backend computes the logits from a kernel handle
+packed from the weight).
 """
 
 from __future__ import annotations
@@ -56,6 +61,58 @@ def checksum(t: torch.Tensor) -> Checksum:
         ss += torch.dot(x, x)  # (x * x).sum() would hold a second chunk
         del x  # before the next chunk is made: one chunk alive at a time
     return (s.item(), ss.item(), flat.numel())
+
+
+HEAD_PROBE_COLUMNS = 8  # one-hot hidden states the engine's tied LM head is applied to (see applied_head_checksum)
+
+
+def applied_name(head: str) -> str:
+    """The name under which a tied LM head is compared by what it computes: ``lm_head.weight[applied]``."""
+    return f"{head}.weight[applied]"
+
+
+def probe_columns(hidden: int) -> List[int]:
+    """The :data:`HEAD_PROBE_COLUMNS` hidden dimensions (weight columns) the tied-head check reads, evenly spread
+    from the first to the last."""
+    k = max(1, min(HEAD_PROBE_COLUMNS, hidden))
+    return sorted({round(i * (hidden - 1) / max(1, k - 1)) for i in range(k)})
+
+
+def head_columns_checksum(weight: torch.Tensor) -> Checksum:
+    """The trainer's side of the tied-head check: the sums of the :func:`probe_columns` of its embedding [V, H]."""
+    return checksum(weight.detach()[:, probe_columns(weight.shape[1])])
+
+
+def applied_head_checksum(head: torch.nn.Module) -> Optional[Checksum]:
+    """The engine's side of the tied-head check: the sums of the logits its LM head computes (through its kernel,
+    ``quant_method.apply``, as vLLM's logits processor calls it) for one-hot hidden states e_j, j in
+    :func:`probe_columns`. Those logits are column j of the weight the kernel computes with, exactly in any float
+    dtype (one product by 1, the rest zeros), and its zero vocabulary padding adds nothing: so they equal the sums
+    of the trainer's embedding columns (:func:`head_columns_checksum`) to float64 rounding, and a head whose kernel
+    holds other weights than the parameter it shares is named. None for a head without a 2-D weight."""
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.dim() != 2 or not weight.numel():
+        return None
+    cols = probe_columns(weight.shape[1])
+    probes = torch.zeros(len(cols), weight.shape[1], dtype=weight.dtype, device=weight.device)
+    probes[torch.arange(len(cols)), torch.tensor(cols)] = 1
+    with torch.no_grad():
+        logits = head.quant_method.apply(head, probes)
+    return checksum(logits)
+
+
+def tied_head(model: torch.nn.Module) -> Optional[Tuple[str, torch.nn.Parameter]]:
+    """(name of the output-embedding module, the shared weight) of an HF model whose input and output embeddings are
+    one tensor (``tie_word_embeddings``), else None."""
+    try:
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    weight = getattr(out, "weight", None)
+    if weight is None or inp is None or weight is not getattr(inp, "weight", None):
+        return None
+    name = next((n for n, m in model.named_modules() if m is out), None)
+    return (name, weight) if name else None
 
 
 def engine_name(hf_name: str) -> str:
@@ -215,7 +272,10 @@ def split_qkv(param: torch.Tensor, layout: List[Tuple[str, int, int]]) -> Option
 
 
 def engine_checksums(
-    model: torch.nn.Module, tp_size: int = 1, loaded: Optional[Dict[str, Checksum]] = None
+    model: torch.nn.Module,
+    tp_size: int = 1,
+    loaded: Optional[Dict[str, Checksum]] = None,
+    tied_heads: Iterable[str] = (),
 ) -> Tuple[Dict[str, Checksum], Dict[str, int]]:
     """One engine worker's checksums ``{name: (Σx, Σx², n)}`` and, by name, how many consecutive TP workers hold the
     same data (for :func:`merge_tensor_parallel`; names left out are merged by element count).
@@ -224,10 +284,16 @@ def engine_checksums(
     vocabulary-parallel embedding or LM head (a module with ``num_embeddings_per_partition``) is a shard on every
     worker, padding included. A parameter vLLM emptied (its CPU backend repacks dense linears into a kernel handle)
     is reported by ``loaded``: the sums of what the loader received, by engine name, the whole tensor on every
-    worker."""
+    worker. Each module named in ``tied_heads`` (an LM head sharing the input embedding's weight) is also reported
+    by what it computes, as :func:`applied_name` (:func:`applied_head_checksum`; a vocabulary shard per worker)."""
     loaded = loaded or {}
-    qkv, vocab = {}, {}
+    tied_heads = set(tied_heads)
+    qkv, vocab, applied = {}, {}, {}
     for prefix, module in model.named_modules():
+        if prefix in tied_heads:
+            sums = applied_head_checksum(module)
+            if sums is not None:
+                applied[applied_name(prefix)] = sums, max(1, tp_size // max(1, getattr(module, "tp_size", tp_size)))
         layout = qkv_layout(module, tp_size)
         for pname, _ in module.named_parameters(recurse=False):
             full = f"{prefix}.{pname}" if prefix else pname
@@ -250,6 +316,8 @@ def engine_checksums(
             continue
         for (part, _, r), block in zip(qkv[name], blocks):
             sums[part_name(name, part)], replicas[part_name(name, part)] = checksum(block), r
+    for name, (head_sums, r) in applied.items():
+        sums[name], replicas[name] = head_sums, r
     return sums, replicas
 
 

@@ -50,6 +50,19 @@ def gathered_one_by_one(
             yield name, param
 
 
+def sync_advice(backend: str) -> str:
+    """What to try when the sync check finds the engines on other weights than the trainer's: never the backend in
+    use. After ``reload`` the engines took every tensor through vLLM's own ``reload_weights``, so what remains is
+    how that vLLM loads them."""
+    if backend == "reload":
+        return (
+            "the weights reached the engines through vLLM's reload_weights, which left them on others: a vLLM "
+            "version or model layout this reload path does not handle; use the pinned vLLM (docs/vllm_versions.md), "
+            "or on GPUs --vllm.sync_backend nccl"
+        )
+    return "on machines without working NCCL use --vllm.sync_backend reload"
+
+
 class WeightSync:
     """The actor side of the weight sync: the ``reload`` transport, the weights it sends, and the check."""
 
@@ -209,12 +222,17 @@ class WeightSync:
         """Per-tensor checksums of the synced weights, by the engine's (fused) names, on rank 0 (None elsewhere).
 
         All ranks must call it: under ZeRO-3 each parameter is gathered, one at a time, and summed on its device
-        (float64, one parameter's worth of extra memory) before the next is gathered."""
+        (float64, one parameter's worth of extra memory) before the next is gathered. With tied embeddings the
+        shared weight is sent once, as the input embedding; its probe columns are also reported as the LM head's
+        (``sync_check.applied_name``), which the engine computes through its head's kernel."""
         rank0 = torch.distributed.get_rank() == 0
+        tied = sync_check.tied_head(self.trainer.actor.model.module)
         sums = []
         for name, param in gathered_one_by_one(self.synced_params(), self._zero3):
             if rank0:
                 sums.append((name, sync_check.checksum(param.data)))
+                if tied is not None and param is tied[1]:
+                    sums.append((sync_check.applied_name(tied[0]), sync_check.head_columns_checksum(param.data)))
         return sync_check.combine_checksums(sums) if rank0 else None
 
     def check(self) -> None:
@@ -377,8 +395,8 @@ class WeightSync:
                 f"weight sync check failed after version {self.trainer.weight_version}: vLLM engine(s) {bad} give "
                 f"canary log-probs {worst} away from the trainer's, above --vllm.sync_check_tol {tol} or "
                 f"--vllm.sync_check_rel_tol {rel_tol}. The engines are not generating with the trained weights "
-                f"(sync backend {self.args.vllm.sync_backend!r}): on machines without working NCCL use "
-                "--vllm.sync_backend reload; raise the tolerance only if engine and trainer dtypes differ a lot."
+                f"(sync backend {self.args.vllm.sync_backend!r}): {sync_advice(self.args.vllm.sync_backend)}; "
+                "raise the tolerance only if engine and trainer dtypes differ a lot."
             )
 
     @contextlib.contextmanager
@@ -453,9 +471,16 @@ class WeightSync:
                 f"{max(0.0, math.floor(100 * low) / 100 - 0.01):.2f} accepts it (the canary still checks the engine "
                 "end to end)."
             )
+        tied_note = ""
+        if any(sync_check.applied_name("") in note for note in notes):
+            tied_note = (
+                "A name ending in .weight[applied] is a tied LM head checked by what it computes (its logits for "
+                "one-hot hidden states, against the trained embedding's columns): the engine's head computes with "
+                "other weights than the embedding it shares, so it samples from a head that is not the policy's. "
+            )
         if notes:
             raise RuntimeError(
                 f"weight sync check failed after version {self.trainer.weight_version}: the engines do not hold "
-                f"the trained weights: {'; '.join(notes)}. Sync backend {self.args.vllm.sync_backend!r}: on machines "
-                "without working NCCL use --vllm.sync_backend reload; --vllm.sync_check_tol 0 disables the check."
+                f"the trained weights: {'; '.join(notes)}. {tied_note}Sync backend {self.args.vllm.sync_backend!r}: "
+                f"{sync_advice(self.args.vllm.sync_backend)}; --vllm.sync_check_tol 0 disables the check."
             )

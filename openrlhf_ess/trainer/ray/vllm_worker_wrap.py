@@ -210,33 +210,40 @@ def _drain(tensors: Dict[str, torch.Tensor]) -> Iterator[Tuple[str, torch.Tensor
         yield name, tensors.pop(name)
 
 
-def refresh_tied_heads(model: torch.nn.Module) -> List[str]:
-    """Re-run vLLM's post-load processing of every unquantized LM head whose weight is another module's (tied input
-    and output embeddings); returns their module names.
-
-    vLLM ties a head by sharing the input embedding's parameter (``ParallelLMHead.tie_weights``), and its models
-    skip ``lm_head.*`` when they load a tied checkpoint. ``reload_weights`` therefore writes the new values into the
-    shared parameter through the embedding but never processes the head ("ParallelLMHead: Failed to load weights"):
-    on vLLM's CPU backend the head computes the logits from a kernel handle packed from the weight at start-up
-    (``dispatch_cpu_unquantized_gemm``), so every sync would leave the engine sampling from the trained body and the
-    pretrained head, while the shared parameter, which the checksums read, holds the trained values. Re-running the
-    processing repacks the handle from the trained weight (one transient copy of the head); on GPU it is a no-op.
-    A quantized head is left alone: its processing transforms the weight and must not run twice."""
+def tied_heads(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(name, module) of every unquantized vLLM LM head whose weight is another module's (tied input and output
+    embeddings: ``ParallelLMHead.tie_weights`` registers the embedding's parameter on the head). A quantized head is
+    left out: its processing transforms the weight, and its kernel's output is not the weight's columns."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
     holders: Dict[int, int] = {}  # id(parameter) -> how many distinct modules register it
     for module in model.modules():
         for param in module.parameters(recurse=False):
             holders[id(param)] = holders.get(id(param), 0) + 1
-    refreshed = []
+    heads = []
     for name, module in model.named_modules():
         weight = module._parameters.get("weight") if isinstance(module, ParallelLMHead) else None
-        if weight is None or holders.get(id(weight), 0) < 2:
-            continue
-        if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
-            module.quant_method.process_weights_after_loading(module)
-            refreshed.append(name)
-    return refreshed
+        if weight is not None and holders.get(id(weight), 0) > 1:
+            if isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
+                heads.append((name, module))
+    return heads
+
+
+def refresh_tied_heads(model: torch.nn.Module) -> List[str]:
+    """Re-run vLLM's post-load processing of every tied LM head (:func:`tied_heads`); returns their names.
+
+    vLLM's models skip ``lm_head.*`` when they load a tied checkpoint, so ``reload_weights`` writes the new values
+    into the shared parameter through the embedding but never processes the head ("ParallelLMHead: Failed to load
+    weights"). On vLLM's CPU backend the head computes the logits from a kernel handle packed from the weight at
+    start-up (``dispatch_cpu_unquantized_gemm``): every sync would leave the engine sampling from the trained body
+    and the pretrained head, while the shared parameter holds the trained values. Re-running the processing repacks
+    the handle from the trained weight (one transient copy of the head); on GPU it is a no-op. The sync check
+    compares what the head computes with the trainer's embedding (``sync_check.applied_head_checksum``)."""
+    names = []
+    for name, module in tied_heads(model):
+        module.quant_method.process_weights_after_loading(module)
+        names.append(name)
+    return names
 
 
 _KEPT_RANK = threading.local()  # set while vLLM's Sampler.forward runs in this worker process
@@ -343,7 +350,7 @@ class WorkerWrap(_UpstreamWorkerWrap):
         """(dtype, {name: (Σx, Σx², n)}) of this worker's weights, for the trainer's per-tensor sync check; with
         ``with_replicas``, (dtype, sums, replicas): how many consecutive TP workers hold each name's data
         (``sync_check.engine_checksums``: ``qkv_proj`` by its q, k and v parts, repacked weights by what the
-        loader received)."""
+        loader received, a tied LM head also by what it computes)."""
         from openrlhf_ess.trainer.sync_check import engine_checksums
 
         model = self.model_runner.model
@@ -354,5 +361,6 @@ class WorkerWrap(_UpstreamWorkerWrap):
             from vllm.distributed import get_tensor_model_parallel_world_size
 
             tp_size = get_tensor_model_parallel_world_size()
-        sums, replicas = engine_checksums(model, tp_size, getattr(self, "_loaded_checksums", {}))
+        heads = [name for name, _ in tied_heads(model)]  # checked by what they compute, too
+        sums, replicas = engine_checksums(model, tp_size, getattr(self, "_loaded_checksums", {}), heads)
         return (dtype, sums, replicas) if with_replicas else (dtype, sums)
