@@ -70,6 +70,14 @@ VCPO_RECIPE = (
     ("actor.loss_agg_mode", "seq-mean-token-mean"),  # loss_agg_mode
     ("rollout.n_samples_per_prompt", 16),  # rollout.n
     ("train.max_epochs", 1),  # one pass: num_minibatches_per_update=1, updates_per_param_sync=1
+    # its optimizer: Megatron's Adam (verl/utils/megatron/optimizer.py passes no betas, so OptimizerConfig's
+    # adam_beta2=0.999; decoupled decay, eps 1e-8 as upstream's), weight_decay=0.1, lr_decay_style=constant,
+    # lr_warmup_steps=0, and no KL (kl_coef=0, use_kl_loss=False): upstream then places no reference model
+    ("actor.adam.betas", [0.9, 0.999]),
+    ("actor.adam.weight_decay", 0.1),
+    ("actor.lr_scheduler", "constant"),
+    ("actor.lr_warmup_ratio", 0.0),
+    ("algo.kl.init_coef", 0.0),
 )
 
 

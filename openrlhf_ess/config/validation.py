@@ -54,6 +54,39 @@ def validate_before_upstream(flat: argparse.Namespace) -> None:
                 f"--{flag} {value}: must be >= 1 ({what}; upstream divides by it). The default is 1; raise it for "
                 "throughput, as memory allows."
             )
+    _validate_group_baseline_before_upstream(flat)
+
+
+def _validate_group_baseline_before_upstream(flat: argparse.Namespace) -> None:
+    """--algo.vcpo_enable / --algo.advantage.baseline opob: what upstream's post-parse code would refuse with a bare
+    assertion about a value the recipe set (GRPO on one sample per prompt), or let pass as a silent no-op (a KL
+    loss or controller at the recipe's coefficient 0)."""
+    from openrlhf_ess.models.opob import OPOB_ESTIMATORS
+
+    get = vars(flat).get
+    applied = get(resolve.VCPO_APPLIED) or ()
+    vcpo = bool(get("algo.vcpo_enable"))
+    flag = "--algo.vcpo_enable" if vcpo else "--algo.advantage.baseline opob"
+    n = get("rollout.n_samples_per_prompt")
+    # a group estimator on one sample: upstream asserts "<estimator> requires n_samples_per_prompt > 1"; an estimator
+    # the baseline cannot take is named by _validate_opob instead
+    estimator, opob = get("algo.advantage.estimator"), get("algo.advantage.baseline") == "opob"
+    if n < 2 and estimator in OPOB_ESTIMATORS and (vcpo or opob):
+        why = f"the {estimator} advantage and the optimal baseline are" if opob else f"the {estimator} advantage is"
+        raise ConfigError(
+            f"{flag} with --rollout.n_samples_per_prompt {n}: {why} taken over each prompt's samples, so one sample "
+            "per prompt leaves every advantage at 0. Set --rollout.n_samples_per_prompt >= 2"
+            + (" (the recipe's 16 when the flag is not passed)." if vcpo else ".")
+        )
+    if "algo.kl.init_coef" in applied:
+        kl_users = [f for f in ("algo.kl.use_loss", "algo.kl.target") if get(f) not in (None, False)]
+        if kl_users:
+            listed = " and ".join(f"--{f}" for f in kl_users)
+            raise ConfigError(
+                f"{listed} with --algo.vcpo_enable, which sets --algo.kl.init_coef 0 (no KL and no reference model, "
+                "as its reference trains): the KL would stay 0. Pass --algo.kl.init_coef C > 0 for a KL (a reference "
+                f"model is then placed), or drop {listed}."
+            )
 
 
 def validate(args: types.SimpleNamespace) -> List[str]:
@@ -270,11 +303,6 @@ def _validate_opob(args: types.SimpleNamespace, notices: List[str]) -> None:
         raise ConfigError(
             f"{flag} replaces the prompt group's baseline of a critic-free estimator, but "
             f"--algo.advantage.estimator is {estimator}: use one of {', '.join(OPOB_ESTIMATORS)}, or {drop}."
-        )
-    if args.rollout.n_samples_per_prompt < 2:
-        raise ConfigError(
-            f"{flag}: the optimal baseline is a baseline over each prompt's samples: set "
-            f"--rollout.n_samples_per_prompt >= 2 (got {args.rollout.n_samples_per_prompt})."
         )
     if estimator == "reinforce_baseline" and algo.advantage.gamma != 1.0:
         raise ConfigError(
