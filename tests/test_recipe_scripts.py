@@ -48,3 +48,30 @@ def test_recipe_command_line(script, stub_path):
     assert proc.returncode == 0, proc.stderr
     expected = [arg.replace("$PWD", REPO) for arg in EXPECTED[script]]
     assert proc.stdout.splitlines() == expected
+
+
+def test_the_vcpo_recipe_resolves_to_the_reference_optimizer_and_validation():
+    """The VCPO GPU recipe's recorded command, parsed with our flags and --algo.vcpo_enable's recipe applied: the
+    reference's optimizer (vcpo_k=10.sh: Megatron's Adam, betas 0.9 0.999; weight_decay=0.1; constant LR, no
+    warm-up; lr=1e-6; clip 1.0; no KL) and its validation (test_freq=10; val_kwargs n=3, temperature 0.8). The script
+    passes none of the recipe's optimizer flags, so the start-up notice lists them as set by the recipe. Top-p stays
+    the rollout's 1.0 (the reference validates at 0.7): upstream's evaluation has no top-p of its own."""
+    from openrlhf_ess import config
+    from openrlhf_ess.cli import train_ppo_ray as cli
+
+    argv = EXPECTED["train_grpo_qwen2.5_7b_math_vcpo.sh"][3:-2]  # after python3 -m <module>, before --extra x
+    parser = cli.build_parser()
+    flat = parser.parse_args(argv)
+    (notice,) = config.apply_vcpo_recipe(flat, config.given_dests(parser, argv))
+    get = vars(flat).get
+    assert tuple(get("actor.adam.betas")) == (0.9, 0.999)
+    assert get("actor.adam.weight_decay") == 0.1
+    assert get("actor.lr_scheduler") == "constant" and get("actor.lr_warmup_ratio") == 0
+    assert get("actor.adam.lr") == 1e-6 and get("actor.max_norm") == 1.0
+    assert get("algo.kl.init_coef") == 0 and not get("algo.kl.use_loss")
+    set_part = notice.partition("; kept as passed")[0]
+    for shown in ("--actor.adam.betas 0.9 0.999", "--actor.adam.weight_decay 0.1", "--actor.lr_scheduler constant"):
+        assert shown in set_part, shown
+    assert "--actor.lr_warmup_ratio 0" in set_part and "--algo.kl.init_coef 0" in set_part
+    assert get("eval.steps") == 10 and get("eval.n_samples_per_prompt") == 3 and get("eval.temperature") == 0.8
+    assert get("rollout.temperature") == 1.0 and get("rollout.top_p") == 1.0

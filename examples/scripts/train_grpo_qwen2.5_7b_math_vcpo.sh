@@ -2,7 +2,7 @@
 # GPU recipe: VCPO as its reference recipe trains Qwen2.5-7B on MATH at staleness 10 (arXiv 2602.17616; the
 # reference script is recipe/fully_async_policy/shell/vcpo/math/vcpo_k=10.sh of mit-han-lab/vcpo).
 # One node, 8 GPUs: 2 vLLM engines at TP 2 (4 GPUs, the reference's gen_tp=2) + 4 actor GPUs (ZeRO-3 where the
-# reference uses Megatron TP 4). No reference model: the recipe has no KL.
+# reference uses Megatron TP 4).
 #
 # --algo.vcpo_enable sets (docs/opob.md has the table, reference line by line):
 #   trajectory-ratio TIS in the loss   w_i = min(exp(sum_t log pi_old/mu), 8)          (rollout_is=sequence, 8.0)
@@ -10,6 +10,12 @@
 #   ESS-guided LR, product weights     lr x sqrt(ESS/B), w_i = exp(sum_t log pi_old/mu) (ess_scaling, unclipped)
 #   the off-policy optimal baseline    b* per prompt group, product weights, GRPO's std (grad_baselining)
 #   GRPO, 16 samples per prompt, seq-mean-token-mean, one optimizer step per rollout batch
+#   the reference's optimizer          Adam betas 0.9 0.999, weight decay 0.1, constant LR, no warm-up
+#   no KL                              --algo.kl.init_coef 0: no reference model is placed
+# Validation as the reference's (MATH-500 every 10 steps, 3 samples at temperature 0.8), except top-p: the
+# reference samples it at top-p 0.7, but upstream's evaluation reuses the rollout's top-p (1 here, the training
+# sampling the corrections assume) and has no flag of its own, so eval accuracies are at top-p 1, not comparable
+# to the reference's curves point for point.
 # pi_old is the policy at the step's start (recompute), which the reference takes from its training forward:
 # with one step per batch the two are the same weights, at the cost here of one forward per sample.
 # Watch train/rho_ess, train/lr_scale, train/tis/*, train/opob/*.
@@ -31,6 +37,8 @@ args=(
    --data.apply_chat_template
    --eval.dataset "$EVAL"
    --eval.steps 10
+   --eval.temperature 0.8
+   --eval.n_samples_per_prompt 3
    --reward.remote_url "$REWARD"
    --rollout.max_new_tokens 2048
    --data.max_len 3072
@@ -51,12 +59,8 @@ args=(
    --rollout.micro_batch_size 4
    --train.micro_batch_size 1
    --rollout.temperature 1.0
-   --algo.kl.init_coef 0
-   # optimizer: lr 1e-6 constant, no warm-up, weight decay 0.1, grad clip 1.0
+   # the reference's LR and grad clip (the recipe sets the rest of its optimizer)
    --actor.adam.lr 1e-6
-   --actor.lr_warmup_ratio 0
-   --actor.lr_scheduler constant
-   --actor.adam.weight_decay 0.1
    --actor.max_norm 1.0
    "${deepspeed_args[@]}"
    # logging and checkpoints
