@@ -82,6 +82,171 @@ def test_full_norms_through_upstreams_actor_one_row_per_pass():
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)  # returned in fp32
 
 
+# Tiny random models of each family the docs name: 2 layers, head_dim 32, a small vocabulary, built in memory.
+FAMILIES = {
+    "qwen2": dict(num_key_value_heads=1),  # q/k/v biases
+    "qwen2_tied": dict(num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(num_key_value_heads=1),  # per-head q_norm / k_norm on (B, T, heads, head_dim)
+    "llama": dict(num_key_value_heads=1, attention_bias=True),
+    "mistral": dict(num_key_value_heads=1, sliding_window=8),
+    "gemma": dict(num_key_value_heads=1, tie_word_embeddings=True),  # (1 + w) RMSNorm, embedding scaled by √H
+}
+
+
+def _family_config(family: str, vocab: int = 96, **extra):
+    from transformers import AutoConfig
+
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=32,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    kw.update(FAMILIES.get(family, {}))
+    kw.update(extra)
+    return AutoConfig.for_model(family.removesuffix("_tied"), **kw)
+
+
+def _family_model(family: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_family_config(family), dtype=torch.float64).eval()
+    with torch.no_grad():  # non-trivial norm scales (RMSNorm w starts at 1, Gemma's at 0) and biases
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_full_norms_of_each_family_equal_per_trajectory_autograd_float64(family, checkpointing):
+    """Each family the docs name (tied and untied heads, Qwen3's per-head norms, Gemma's scaled embedding and
+    (1 + w) norms), left padding through the padding row, a response ended early, with and without gradient
+    checkpointing: the pass's per-trajectory norms equal one float64 autograd backward per trajectory."""
+    model = _family_model(family)
+    assert model.config.tie_word_embeddings == (family in ("qwen2_tied", "gemma"))
+    seq, att, am = _batch(96, seed=4)
+    want = _autograd_sq_norms(model, seq, att, am, 0.7)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.train()  # HF checkpoints in training mode only (dropout is 0 in these configs)
+    got = trainer_opob.model_sq_grad_norms(model, lambda: _log_prob_sums(model, seq, att, am, 0.7))
+    assert not any(p.grad is not None for p in model.parameters())
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=0)
+    assert got.std() > 0
+
+
+def test_qwen3_per_head_norm_squares_the_sum_over_tokens_and_heads():
+    """q_norm's weight multiplies x̂ of shape (B, T, heads, head_dim): its per-row gradient is Σ_{t,h} g ⊙ x̂ and
+    the norm is its square, not Σ_h ‖Σ_t g ⊙ x̂‖² (the two differ whenever heads' sums do not cancel)."""
+    g = torch.tensor([[[[1.0, 2.0], [3.0, -1.0]]]], dtype=torch.float64)  # (B=1, T=1, heads=2, d=2)
+    xhat = torch.ones_like(g)
+    # Σ_{t,h} g ⊙ x̂ = (1 + 3, 2 − 1) = (4, 1) -> 17; Σ_h of squares would be 1 + 4 + 9 + 1 = 15
+    assert opob.scale_sq_grad_norms(xhat, g, bias=False).tolist() == [17.0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_moe_experts_are_refused_from_the_meta_module_tree(family):
+    from transformers import AutoModelForCausalLM
+
+    extra = dict(num_experts=4, moe_intermediate_size=32) if family == "qwen3_moe" else dict(num_local_experts=4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_family_config(family, num_experts_per_tok=2, **extra))
+    with pytest.raises(ValueError, match=r"module model\.layers\.0\.mlp\.\w+ .*--algo\.advantage\.opob_norm head"):
+        trainer_opob.norm_plan(model)
+
+
+def test_preflight_refuses_fused_moe_experts_before_anything_starts(tiny_world, tmp_path, monkeypatch):
+    """--algo.vcpo_enable sets --algo.advantage.opob_norm full: pre-flight builds the actor's module tree on the meta
+    device and refuses a Qwen3-MoE actor, naming the module and the flag that avoids it; the dense tiny model
+    passes the same check."""
+    from openrlhf_ess.checks import preflight
+    from openrlhf_ess.config import ConfigError
+    from openrlhf_ess.tiny.world_moe import build_moe_world
+    from tests.helpers.preflight_inputs import _args
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    moe = build_moe_world(str(tmp_path / "moe"), n_prompts=8, family="qwen3_moe")
+    args = _args(tiny_world, tmp_path, ["--algo.vcpo_enable", "--actor.model_name_or_path", moe["model"]])
+    assert args.algo.advantage.opob_norm == "full"
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.\w+ \(Qwen3Moe.*--algo\.advantage\.opob_norm head"):
+        preflight.check(args)
+    notices: list = []
+    preflight.model._check_opob_norm(_args(tiny_world, tmp_path, ["--algo.vcpo_enable"]), notices)
+    assert notices == []
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_preflight_takes_every_dense_family_from_its_meta_tree(family, monkeypatch):
+    """The meta-device check (module kinds, each norm class's forward against its form) passes every family the
+    pass computes exactly above, and refuses a norm whose forward is not the form its name says."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_family_config(family))
+    trainer_opob.check_scale_forms(model)
+    layer_norm = torch.nn.functional.layer_norm  # mean-centred: not an RMSNorm, whatever its class says
+    monkeypatch.setattr(type(model.model.norm), "forward", lambda self, x: layer_norm(x, x.shape[-1:]) * self.weight)
+    with pytest.raises(ValueError, match=r"module model\.layers\.0\.[\w.]+ .*--algo\.advantage\.opob_norm head"):
+        trainer_opob.check_scale_forms(model)
+
+
+class _Toy(torch.nn.Module):
+    """Embedding -> Linear -> head, with a fault: its linear called twice, or its weight used outside it."""
+
+    def __init__(self, fault: str):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.lin = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 10)
+        self.fault = fault
+
+    def forward(self, ids):
+        h = self.lin(self.embed(ids))
+        if self.fault == "twice":
+            h = self.lin(h)
+        elif self.fault == "outside":
+            h = h + h @ self.lin.weight.T  # the weight used by the parent, not through its module
+        return torch.log_softmax(self.head(h), -1)[..., 0].sum(-1)
+
+
+@pytest.mark.parametrize("fault, message", [("twice", "called more than once"), ("outside", "enters the forward 2")])
+def test_a_weight_used_twice_or_outside_its_module_is_refused(fault, message):
+    model = _Toy(fault).double()
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match=message + r".*--algo\.advantage\.opob_norm head"):
+        trainer_opob.model_sq_grad_norms(model, lambda: model(ids))
+    model.fault = "none"  # the same model used once per weight: no refusal, and autograd's norms
+    got = trainer_opob.model_sq_grad_norms(model, lambda: model(ids))
+    params = list(model.parameters())
+    want = [sum(g.pow(2).sum() for g in torch.autograd.grad(model(ids[i : i + 1])[0], params)) for i in range(2)]
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-12, atol=0)
+
+
+def test_a_module_fed_flattened_rows_is_refused():
+    """A linear fed (B·T, d) (as a MoE router is) has lost the row: its norm cannot be read per trajectory."""
+
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, ids):
+            return self.lin(self.embed(ids).reshape(-1, 4)).reshape(ids.shape).sum(-1)
+
+    model = Flat().double()
+    with pytest.raises(ValueError, match=r"module lin receives an input of shape \[6, 4\]"):
+        trainer_opob.model_sq_grad_norms(model, lambda: model(torch.tensor([[1, 2, 3], [4, 5, 6]])))
+
+
 @pytest.mark.parametrize("shape", [(7, 3, 5), (2, 40, 50)])  # T(d_in + d_out) > d_in d_out: direct; else gram
 def test_linear_ghost_norms_equal_the_explicit_gradient(shape):
     t, d_in, d_out = shape

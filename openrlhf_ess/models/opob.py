@@ -161,18 +161,20 @@ def product_dtype(activations: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 
 def linear_sq_grad_norms(x: torch.Tensor, g: torch.Tensor, bias: bool, block_bytes: int = 64 << 20) -> torch.Tensor:
     r"""Per-row ‖∇_W‖²_F (+ ‖∇_b‖²) of a linear layer y_t = W x_t + b from its inputs and output gradients
-    (ghost norms, Goodfellow 2015): ∇_W = Σ_t g_t x_tᵀ, ∇_b = Σ_t g_t, per sample. The cheaper exact way per row
-    of T positions: ``gram`` Σ_{t,s} (g_t·g_s)(x_t·x_s), T²(d_in + d_out) multiply-adds and two T × T matrices, when
+    (ghost norms, Goodfellow 2015): ∇_W = Σ_t g_t x_tᵀ, ∇_b = Σ_t g_t, per sample, t running over every position of
+    the row (tokens, and heads where the layer acts on them). The cheaper exact way per row of T positions:
+    ``gram`` Σ_{t,s} (g_t·g_s)(x_t·x_s), T²(d_in + d_out) multiply-adds and two T × T matrices, when
     T(d_in + d_out) ≤ d_in·d_out; else the gradient itself in blocks of output rows (≤ ``block_bytes`` each),
     T·d_in·d_out. The products run in :func:`product_dtype`.
 
     Args:
-        x: (B, T, d_in) the layer's inputs; g: (B, T, d_out) ∂L/∂y for L = Σ_i (row i's objective).
+        x: (B, ..., d_in) the layer's inputs; g: (B, ..., d_out) ∂L/∂y for L = Σ_i (row i's objective).
     Returns:
         (B,) fp32 (fp64 when either input is fp64).
     """
     dtype = torch.float64 if torch.float64 in (x.dtype, g.dtype) else torch.float32
     mm = product_dtype(x, dtype)
+    x, g = x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
     t, d_in, d_out = x.shape[1], x.shape[-1], g.shape[-1]
     rows = max(1, block_bytes // (d_in * torch.finfo(dtype).bits // 8))
     out = []
@@ -210,39 +212,45 @@ def embedding_sq_grad_norms(ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def tied_cross_sq_grad_norms(ids: torch.Tensor, g_emb: torch.Tensor, h: torch.Tensor, g_head: torch.Tensor):
-    r"""2⟨∇_E^lookup, ∇_E^head⟩ per row, for a matrix E (V × H) used both as the input embedding (e_s = E[x_s]) and
-    as the LM head (z_t = E h_t), so that ‖∇_E‖² = ‖lookup part‖² + ‖head part‖² + this:
+def tied_head_projection(ids: torch.Tensor, h: torch.Tensor, g_head: torch.Tensor) -> torch.Tensor:
+    r"""P_s = Σ_t g^z_t[x_s] h_t per input position s, for a matrix E (V × H) used both as the input embedding
+    (e_s = E[x_s]) and as the LM head (z_t = E h_t): the head part of ∇_E = Σ_t g^z_t h_tᵀ, read at the rows the
+    lookup touches. With it the cross term of ‖∇_E‖² = ‖lookup part‖² + ‖head part‖² + 2⟨lookup, head⟩ is
 
-        ⟨Σ_s e_{x_s} g^e_sᵀ, Σ_t g^z_t h_tᵀ⟩ = Σ_{s,t} g^z_t[x_s] (h_t · g^e_s)
+        ⟨Σ_s e_{x_s} (c g^e_s)ᵀ, Σ_t g^z_t h_tᵀ⟩ = c Σ_s P_s · g^e_s           (c: the lookup's scale, 1 but Gemma)
+
+    so the V-wide logits' gradient need not be kept until the lookup's gradient arrives.
 
     Args:
-        ids: (B, S) input ids; g_emb: (B, S, H) ∂L/∂e_s; h: (B, T, H) the head's inputs; g_head: (B, T, V) ∂L/∂z_t.
+        ids: (B, S) input ids; h: (B, ..., H) the head's inputs; g_head: (B, ..., V) ∂L/∂z.
     Returns:
-        (B,) fp32 (fp64 when an input is fp64). T × S memory per row.
+        (B, S, H), fp64 when an input is fp64, else fp32. T × S memory per row while it runs.
     """
-    dtype = torch.float64 if torch.float64 in (g_emb.dtype, h.dtype, g_head.dtype) else torch.float32
+    dtype = torch.float64 if torch.float64 in (h.dtype, g_head.dtype) else torch.float32
+    h, g_head = h.reshape(h.shape[0], -1, h.shape[-1]), g_head.reshape(g_head.shape[0], -1, g_head.shape[-1])
     out = []
     for b in range(ids.shape[0]):
         m = g_head[b][:, ids[b].long()].to(dtype)  # (T, S): g^z_t[x_s]
-        out.append(2 * ((m.T @ h[b].to(dtype)) * g_emb[b].to(dtype)).sum())
+        out.append(m.T @ h[b].to(dtype))
     return torch.stack(out)
 
 
 def scale_sq_grad_norms(normalized: torch.Tensor, g: torch.Tensor, bias: bool) -> torch.Tensor:
-    r"""Per-row ‖∇_w‖² (+ ‖∇_b‖²) of an elementwise affine y_t = w ⊙ x̂_t (+ b), as RMSNorm and LayerNorm end:
-    ∇_w = Σ_t g_t ⊙ x̂_t, ∇_b = Σ_t g_t.
+    r"""Per-row ‖∇_w‖² (+ ‖∇_b‖²) of an elementwise affine y = w ⊙ x̂ (+ b) over the last dimension, as RMSNorm and
+    LayerNorm end (w or 1 + w): ∇_w = Σ_p g_p ⊙ x̂_p, ∇_b = Σ_p g_p, p running over every position of the row but
+    the last dimension (tokens; tokens × heads for Qwen3's per-head q/k norms): the sum is taken before the square.
 
     Args:
-        normalized: (B, T, H) x̂_t, the normalised inputs the weight multiplies; g: (B, T, H) ∂L/∂y_t.
+        normalized: (B, ..., H) x̂, the normalised inputs the weight multiplies; g: (B, ..., H) ∂L/∂y.
     Returns:
         (B,) fp32 (fp64 when an input is fp64).
     """
     dtype = torch.float64 if torch.float64 in (normalized.dtype, g.dtype) else torch.float32
-    gw = (g.to(dtype) * normalized.to(dtype)).sum(1)
+    rows, width = g.shape[0], g.shape[-1]
+    gw = (g.to(dtype) * normalized.to(dtype)).reshape(rows, -1, width).sum(1)
     sq = (gw * gw).sum(-1)
     if bias:
-        gb = g.to(dtype).sum(1)
+        gb = g.to(dtype).reshape(rows, -1, width).sum(1)
         sq = sq + (gb * gb).sum(-1)
     return sq
 

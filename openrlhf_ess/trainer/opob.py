@@ -56,142 +56,321 @@ def norms_captured(head: torch.nn.Module, sequences, action_mask, temperature: f
         handle.remove()
 
 
-def _rms_eps(module: torch.nn.Module) -> Optional[float]:
-    """ε of an RMSNorm of the Llama/Qwen/Mistral form, w ⊙ (x·rsqrt(mean x² + ε)) cast to the input dtype (Gemma's
-    (1 + w) form is not); None for any other module."""
+SCALE_FORMS = ("rms", "rms_one_plus", "layer")
+
+
+def _scale_form(module: torch.nn.Module) -> Optional[str]:
+    """How an elementwise-scale module computes y = w' ⊙ x̂ over its last dimension, or None (not one we take):
+
+    - ``rms``: the Llama/Qwen/Mistral RMSNorm, w ⊙ (x·rsqrt(mean x² + ε)) with x̂ cast to the input dtype first;
+    - ``rms_one_plus``: Gemma's, (1 + w) ⊙ x̂ in fp32, cast afterwards (∇_w is the same g ⊙ x̂);
+    - ``layer``: torch's LayerNorm (w ⊙ x̂ + b).
+
+    Told by class name and ε; pre-flight checks each class's forward against its form on random inputs
+    (:func:`check_scale_forms`), so a family whose RMSNorm differs is refused there."""
+    if isinstance(module, torch.nn.LayerNorm) and type(module).forward is torch.nn.LayerNorm.forward:
+        return "layer"
     name = type(module).__name__
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    return eps if name.endswith("RMSNorm") and "Gemma" not in name and isinstance(eps, float) else None
+    if not name.endswith("RMSNorm") or not isinstance(eps, float):
+        return None
+    return "rms_one_plus" if "Gemma" in name else "rms"
 
 
-def _normalized(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x̂, what the weight of a LayerNorm or an RMSNorm (:func:`_rms_eps`) multiplies."""
-    if isinstance(module, torch.nn.LayerNorm):
+def _normalized(module: torch.nn.Module, x: torch.Tensor, form: str) -> torch.Tensor:
+    """x̂, what the weight of a scale module (:func:`_scale_form`) multiplies, as the module computes it."""
+    if form == "layer":
         return torch.nn.functional.layer_norm(x, module.normalized_shape, eps=module.eps)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     xf = x.to(torch.float32)  # as the module computes it, whatever its dtype (float64 included)
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _rms_eps(module))).to(x.dtype)
+    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xhat if form == "rms_one_plus" else xhat.to(x.dtype)
+
+
+def _embedding_scale(module: torch.nn.Module) -> Optional[str]:
+    """How an embedding module computes e_t from E[x_t]: ``plain`` (torch's own forward), ``scaled`` (Gemma's
+    ``*ScaledWordEmbedding``: E[x_t] · s, s its ``embed_scale`` buffer in the weight's dtype), or None."""
+    if type(module).forward is torch.nn.Embedding.forward:
+        return "plain"
+    if type(module).__name__.endswith("ScaledWordEmbedding") and hasattr(module, "embed_scale"):
+        return "scaled"
+    return None
+
+
+REFUSE_HINT = "Use --algo.advantage.opob_norm head for this model (the LM head's norm, from the forward alone)."
 
 
 def norm_plan(model: torch.nn.Module) -> List[tuple]:
-    """(module, kind) for every module that owns trainable parameters (kind: linear, embedding, scale), and checks
-    that these cover every trainable parameter: one used by another kind of module, or shared other than as the
-    input embedding and the LM head (tied), is refused with the flag that avoids it."""
+    """(name, module, kind) for every module that owns trainable parameters (kind: ``linear``, ``embedding``,
+    ``scale``), checking that these cover every trainable parameter. A module of another kind (fused MoE experts,
+    a router holding a bare weight, an embedding or linear with its own forward), or a parameter shared other than
+    as a tied input embedding and LM head, is refused with its name and the flag that avoids it. Reads the module
+    tree only: works on a model built on the meta device (pre-flight)."""
     owners: dict = {}
     plan = []
-    for module in model.modules():
+    for name, module in model.named_modules():
         params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad]
         if not params:
             continue
         names = {n for n, _ in params}
-        if isinstance(module, torch.nn.Linear):
+        kind = None
+        if isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward:
             kind = "linear"
-        elif isinstance(module, torch.nn.Embedding):
+        elif isinstance(module, torch.nn.Embedding) and names == {"weight"} and _embedding_scale(module):
             kind = "embedding"
-        elif names <= {"weight", "bias"} and (isinstance(module, torch.nn.LayerNorm) or _rms_eps(module) is not None):
+        elif names <= {"weight", "bias"} and "weight" in names and _scale_form(module) is not None:
             kind = "scale"
-        else:
+        if kind is None:
             raise ValueError(
-                "--algo.advantage.opob_norm full covers linear, embedding, RMSNorm and LayerNorm parameters; "
-                f"{type(module).__name__} holds {sorted(names)}, which it cannot take per trajectory. Use "
-                "--algo.advantage.opob_norm head for this model."
+                "--algo.advantage.opob_norm full covers linear, embedding, RMSNorm and LayerNorm parameters, each "
+                f"used once per forward; module {name or '(root)'} ({type(module).__name__}) holds "
+                f"{sorted(names)}, which it cannot take per trajectory. {REFUSE_HINT}"
             )
-        plan.append((module, kind))
+        plan.append((name, module, kind))
         for _, p in params:
-            owners.setdefault(id(p), []).append(kind)
-    for kinds in owners.values():
-        if len(kinds) > 1 and sorted(kinds) != ["embedding", "linear"]:
+            owners.setdefault(id(p), []).append((kind, name))
+    for used in owners.values():
+        if len(used) > 1 and sorted(k for k, _ in used) != ["embedding", "linear"]:
             raise ValueError(
-                "--algo.advantage.opob_norm full: a parameter shared by several modules other than a tied input "
-                "embedding and LM head. Use --algo.advantage.opob_norm head for this model."
+                f"--algo.advantage.opob_norm full: one parameter is held by modules {', '.join(n for _, n in used)}; "
+                f"only a tied input embedding and LM head may share one. {REFUSE_HINT}"
             )
     return plan
 
 
+def check_scale_forms(model: torch.nn.Module) -> None:
+    """Each distinct scale-module class of ``model`` (meta or real) computes its :func:`_scale_form` exactly: a
+    float64 copy on the CPU with random weights, on a random input, against w' ⊙ x̂ (+ b). Raises ValueError naming
+    the module and the flag otherwise."""
+    import copy
+
+    seen = set()
+    for name, module, kind in norm_plan(model):
+        if kind != "scale" or type(module) in seen:
+            continue
+        seen.add(type(module))
+        form = _scale_form(module)
+        probe = copy.deepcopy(module).to_empty(device="cpu").double()
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in probe.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            x = torch.randn(2, 3, probe.weight.shape[-1], generator=gen, dtype=torch.float64)
+            w = probe.weight + 1 if form == "rms_one_plus" else probe.weight
+            want = _normalized(probe, x, form).double() * w
+            if getattr(probe, "bias", None) is not None:
+                want = want + probe.bias
+            got = probe(x)
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            raise ValueError(
+                f"--algo.advantage.opob_norm full: module {name} ({type(module).__name__}) does not compute the "
+                f"normalisation its class name says ({form}: w ⊙ x̂ over the last dimension), so its per-trajectory "
+                f"norm cannot be taken. {REFUSE_HINT}"
+            )
+
+
 @contextlib.contextmanager
-def _non_reentrant_checkpoints(model: torch.nn.Module) -> Iterator[None]:
+def _non_reentrant_checkpoints(model: torch.nn.Module, inside: List[int]) -> Iterator[None]:
     """Within the block, layers that checkpoint (transformers' ``_gradient_checkpointing_func``) do so without
-    re-entry: a re-entrant checkpoint cannot run under ``torch.autograd.grad``. The same recomputation, the same
-    memory; put back afterwards."""
+    re-entry (``torch.autograd.grad`` cannot run a re-entrant checkpoint) and without early stop (the recomputation
+    runs the whole layer, so every module of it is seen again); ``inside[0]`` counts the checkpointed calls under
+    way. The same recomputation, the same memory; put back afterwards."""
     swapped = [
         (m, m._gradient_checkpointing_func) for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
     ]
+
+    def run(fn, *args, **kwargs):
+        inside[0] += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    def checkpoint(fn, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(run, fn, *args, use_reentrant=False, **kwargs)
+
     for m, _ in swapped:
-        m._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        m._gradient_checkpointing_func = checkpoint
     try:
-        yield
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            yield
     finally:
         for m, func in swapped:
             m._gradient_checkpointing_func = func
 
 
+def _graph_uses(root: torch.Tensor, params: dict) -> tuple:
+    """Walk the autograd graph of ``root``: (edges into each parameter's gradient accumulator, keyed by id of the
+    parameter; the set of graph nodes reached)."""
+    uses: dict = {}
+    seen = set()
+    stack = [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None and id(var) in params:
+                uses[id(var)] = uses.get(id(var), 0) + 1
+            stack.append(nxt)
+    return uses, seen
+
+
+class _NormPass:
+    """The state of one pass of :func:`model_sq_grad_norms`: per module, its input x (or ids) and its output's
+    gradient g, each kept only until the other arrives. In a checkpointed layer x is not kept from the forward:
+    the backward's recomputation of the layer hands it over again (that is what makes checkpointing bound the pass
+    as it bounds a training step)."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.names = {m: n for n, m, _ in plan}
+        self.kinds = {m: k for _, m, k in plan}
+        self.forward = True  # False once score() returned: later forward calls are recomputations
+        self.inside = [0]  # checkpointed calls under way (set by _non_reentrant_checkpoints)
+        self.calls: dict = {}  # module -> calls in the forward
+        self.out_nodes: dict = {}  # module -> grad_fn of its output
+        self.shapes: dict = {}  # module -> its input's shape in the forward
+        self.x: dict = {}
+        self.g: dict = {}
+        self.embedded: List[tuple] = []  # (module, ids, output)
+        self.ids: dict = {}  # id(embedding weight) -> (module, ids)
+        self.tied = {id(m.weight) for m, k in self.kinds.items() if k == "linear"} & {
+            id(m.weight) for m, k in self.kinds.items() if k == "embedding"
+        }
+        self.projections: dict = {}  # id(tied weight) -> (B, S, H) P of the head part
+        self.total: List[torch.Tensor] = []
+
+    def hook(self, module, inputs, out):
+        x = inputs[0].detach()
+        kind = self.kinds[module]
+        if not self.forward:  # a checkpointed layer recomputed in the backward: its inputs, once more
+            if module in self.calls and module not in self.x:
+                self.x[module] = x
+                self._ready(module)
+            return
+        self.calls[module] = self.calls.get(module, 0) + 1
+        if self.calls[module] > 1:
+            raise ValueError(
+                f"--algo.advantage.opob_norm full: module {self.names[module]} is called more than once per forward, "
+                f"so its parameters' per-trajectory gradient is not the sum of per-call norms. {REFUSE_HINT}"
+            )
+        self.shapes[module] = tuple(x.shape)
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):
+            return  # its output does not reach the objective: no gradient
+        self.out_nodes[module] = out.grad_fn
+        if kind == "embedding":
+            self.embedded.append((module, x, out))
+            self.ids[id(module.weight)] = (module, x)
+            return
+        if self.inside[0] == 0:  # not recomputed later: keep it now
+            self.x[module] = x
+        out.register_hook(functools.partial(self._on_grad, module))
+
+    def _on_grad(self, module, g):
+        self.g[module] = g.detach()
+        self._ready(module)
+
+    def _ready(self, module):
+        if module not in self.x or module not in self.g:
+            return
+        x, g = self.x.pop(module), self.g.pop(module)
+        kind = self.kinds[module]
+        bias = getattr(module, "bias", None) is not None and module.bias.requires_grad
+        if kind == "linear":
+            self.total.append(opob.linear_sq_grad_norms(x, g, bias).to(torch.float64))
+            if id(module.weight) in self.tied:  # the head part of a tied matrix, read at the lookup's rows
+                _, ids = self.ids[id(module.weight)]
+                self.projections[id(module.weight)] = opob.tied_head_projection(ids, x, g)
+        else:
+            xhat = _normalized(module, x, _scale_form(module))
+            self.total.append(opob.scale_sq_grad_norms(xhat, g, bias).to(torch.float64))
+
+    def check_forward(self, f: torch.Tensor) -> None:
+        """After the forward: every row-wise shape, and every parameter entering the graph once per use by its
+        module (a weight used twice, or used outside the module that holds it, is refused, not summed wrongly)."""
+        rows = f.shape[0]
+        for module, shape in self.shapes.items():
+            want = 2 if self.kinds[module] == "embedding" else 3
+            if len(shape) < want or shape[0] != rows:
+                raise ValueError(
+                    f"--algo.advantage.opob_norm full: module {self.names[module]} receives an input of shape "
+                    f"{list(shape)}, not one row per trajectory ({rows} rows, then positions): its per-trajectory "
+                    f"gradient cannot be read from it. {REFUSE_HINT}"
+                )
+        params = {}
+        for module, kind in self.kinds.items():
+            for p in module.parameters(recurse=False):
+                if p.requires_grad:
+                    params.setdefault(id(p), [p, []])[1].append(module)
+        uses, reached = _graph_uses(f, params)
+        for pid, (p, modules) in params.items():
+            expected = sum(1 for m in modules if self.out_nodes.get(m) in reached)
+            if uses.get(pid, 0) != expected:
+                where = ", ".join(self.names[m] for m in modules)
+                raise ValueError(
+                    f"--algo.advantage.opob_norm full: a parameter of {where} enters the forward {uses.get(pid, 0)} "
+                    f"time(s) where its module(s) used it {expected} time(s): it is used twice, or outside the "
+                    f"module that holds it, and its per-trajectory norm would be summed wrongly. {REFUSE_HINT}"
+                )
+
+    def finish(self, grads) -> torch.Tensor:
+        if self.g:  # a checkpoint that recomputed less than its layer would leave these out silently
+            raise RuntimeError(
+                "--algo.advantage.opob_norm full: the backward reached the output of "
+                f"{', '.join(sorted(self.names[m] for m in self.g))} but no recomputation gave its input; "
+                "this is a bug."
+            )
+        for (module, ids, _), g in zip(self.embedded, grads):
+            if module.padding_idx is not None:  # the padding row gets no gradient from a lookup (nn.Embedding)
+                g = g.masked_fill((ids == module.padding_idx)[..., None], 0)
+            if _embedding_scale(module) == "scaled":  # e_t = s·E[x_t]: ∂/∂E[x_t] = s·g_t
+                g = g * module.embed_scale.to(device=g.device, dtype=module.weight.dtype)
+            self.total.append(opob.embedding_sq_grad_norms(ids, g).to(torch.float64))
+            projection = self.projections.get(id(module.weight))
+            if projection is not None:  # 2⟨lookup part, head part⟩ of the tied matrix
+                cross = 2 * (projection * g.to(projection.dtype)).sum((1, 2))
+                self.total.append(cross.to(torch.float64))
+        return torch.stack(self.total).sum(0)
+
+
 def model_sq_grad_norms(model: torch.nn.Module, score: Callable[[], torch.Tensor]) -> torch.Tensor:
     r"""‖∇_θ f_i‖² over **every** trainable parameter θ of ``model`` for each row i of ``score()`` (B,) f_i (here
     f_i = log π_θ(τ_i) = Σ_t m_t log π_θ(y_t | s_t)), from one forward with autograd and one backward that takes
-    no parameter gradient: forward hooks keep each layer's input, hooks on its output take ∂F/∂y for
+    no parameter gradient: forward hooks take each layer's input, hooks on its output take ∂F/∂y for
     F = Σ_i f_i, and the per-row norm of each parameter's gradient comes from those two (models/opob.py: linear
-    and embedding ghost norms, RMSNorm/LayerNorm scales, a tied embedding's cross term). Rows are independent
-    (a row's activations depend on its own tokens only), so ∂F/∂y restricted to row i is ∂f_i/∂y.
+    and embedding ghost norms, RMSNorm/LayerNorm scales reduced over every dimension but the row, a tied
+    embedding's cross term). Rows are independent (a row's activations depend on its own tokens only), so ∂F/∂y
+    restricted to row i is ∂f_i/∂y. Every trainable parameter must reach the hooks exactly once per use
+    (:class:`_NormPass`'s ``check_forward``) or the pass refuses.
 
     The backward runs to the input embeddings' outputs only (``torch.autograd.grad``), so no ``.grad`` is written
     and no optimizer state is touched: ZeRO 0–3 gather parameters for it through their own module hooks, as for
-    any backward. Gradient checkpointing stays on (made non-re-entrant for the pass, which ``autograd.grad``
-    needs): a layer's output that the backward does not reach (a recomputation's) gets no gradient.
+    any backward. Gradient checkpointing stays on (made non-re-entrant, which ``autograd.grad`` needs): a
+    checkpointed layer's inputs are not kept from the forward but taken again from the backward's recomputation.
 
-    Memory: the forward's activations with autograd, as one
-    training micro-batch of the same rows, plus per layer two T × T fp32 matrices or one ≤ 64 MiB block.
+    Memory: what a training micro-batch of the same rows holds under the same checkpointing (docs/opob.md has the
+    formula), plus, while one layer's backward runs, its modules' inputs and output gradients and two T × T fp32
+    matrices or one ≤ 64 MiB block per module.
     """
-    plan = norm_plan(model)
-    tied = {id(m.weight) for m, k in plan if k == "linear"} & {id(m.weight) for m, k in plan if k == "embedding"}
-    total: List[torch.Tensor] = []
-    embedded: List[tuple] = []  # (module, ids, output)
-    head_parts: dict = {}  # id(tied weight) -> (head input, ∂F/∂z)
-
-    def add(sq):
-        total.append(sq.to(torch.float64))
-
-    def on_output(out, fn):
-        if isinstance(out, torch.Tensor) and out.requires_grad:  # a reentrant checkpoint's first pass: no graph
-            out.register_hook(lambda g: add(fn(g)))
-
-    def hook(module, inputs, out, kind):
-        x = inputs[0].detach()
-        if kind == "embedding":
-            if out.requires_grad:
-                embedded.append((module, x, out))
-        elif kind == "linear":
-            bias = module.bias is not None and module.bias.requires_grad
-            if id(module.weight) in tied:
-
-                def fn(g, x=x, w=id(module.weight)):
-                    head_parts[w] = (x, g)
-                    return opob.linear_sq_grad_norms(x, g, bias)
-
-                on_output(out, fn)
-            else:
-                on_output(out, lambda g: opob.linear_sq_grad_norms(x, g, bias))
-        else:
-            xhat = _normalized(module, x)
-            bias = getattr(module, "bias", None) is not None and module.bias.requires_grad
-            on_output(out, lambda g: opob.scale_sq_grad_norms(xhat, g, bias))
-
-    handles = [m.register_forward_hook(functools.partial(hook, kind=k)) for m, k in plan]
+    state = _NormPass(norm_plan(model))
+    handles = [m.register_forward_hook(state.hook) for _, m, _ in state.plan]
     try:
-        with torch.enable_grad(), _non_reentrant_checkpoints(model):
+        with torch.enable_grad(), _non_reentrant_checkpoints(model, state.inside):
             f = score()
-            if not embedded:
+            state.forward = False
+            if not state.embedded:
                 raise ValueError("--algo.advantage.opob_norm full: the model's forward used no trainable embedding")
-            grads = torch.autograd.grad(f.sum(), [out for _, _, out in embedded])
+            state.check_forward(f)
+            grads = torch.autograd.grad(f.sum(), [out for _, _, out in state.embedded])
     finally:
         for h in handles:
             h.remove()
-    for (module, ids, _), g in zip(embedded, grads):
-        if module.padding_idx is not None:  # the padding row gets no gradient from a lookup (nn.Embedding)
-            g = g.masked_fill((ids == module.padding_idx)[..., None], 0)
-        add(opob.embedding_sq_grad_norms(ids, g))
-        if id(module.weight) in head_parts:
-            h, gz = head_parts[id(module.weight)]
-            add(opob.tied_cross_sq_grad_norms(ids, g, h, gz))
-    return torch.stack(total).sum(0)
+    return state.finish(grads)
 
 
 def full_norms(actor, sequences, action_mask, attention_mask, rows: Optional[int] = None) -> torch.Tensor:

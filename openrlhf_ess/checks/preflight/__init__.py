@@ -15,6 +15,7 @@ module per input family, each with its own tests file (``tests/test_preflight_<m
 2. ``engine``: the installed vLLM against the releases our engine patches were read against;
 3. ``model``: model folders (config.json, weights, the tokenizer upstream loads) or hub ids (cache,
    HF_HUB_OFFLINE); no network access is attempted; ``--data.max_len`` within the context vLLM accepts;
+   ``--algo.advantage.opob_norm full``: every module the norm pass must take, from the meta-device module tree;
 4. ``data``: prompt files as upstream's ``blending_datasets`` reads them (.jsonl/.json/.csv/.parquet/.arrow,
    folders): they parse, every record has ``--data.input_key`` (and ``--data.label_key``), no prompt is empty.
    Streamed; each file is read up to ``--data.max_samples`` records (100k JSON lines take ~0.3 s);
@@ -52,6 +53,7 @@ def check(args: types.SimpleNamespace) -> List[str]:
     tokenizer = model._check_models(args, notices)
     model._check_top_k(args)
     model._check_routing_replay(args)
+    model._check_opob_norm(args, notices)
     model._check_max_len(args)
     prompts = data._check_prompt_datasets(args, tokenizer, notices)
     data._check_batches_fill(args, prompts, notices)

@@ -1,7 +1,8 @@
 """Pre-flight, models and tokenizer: model folders (config.json, weights, the tokenizer upstream loads) or hub ids
 (cache, HF_HUB_OFFLINE), with no network access attempted; ``--data.max_len`` within the context vLLM accepts for the
-model; --algo.routing_replay's model family; ``--rollout.top_k`` below the vocabulary; every token id of the tokenizer
-within the model's vocabulary (config.json's ``vocab_size`` and the embedding's rows)."""
+model; --algo.routing_replay's model family; --algo.advantage.opob_norm full's modules (the module tree built on the
+meta device); ``--rollout.top_k`` below the vocabulary; every token id of the tokenizer within the model's vocabulary
+(config.json's ``vocab_size`` and the embedding's rows)."""
 
 from __future__ import annotations
 
@@ -351,6 +352,45 @@ def _check_routing_replay(args: types.SimpleNamespace) -> None:
         routing_replay.require_supported(model_config)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_opob_norm(args: types.SimpleNamespace, notices: List[str]) -> None:
+    """--algo.advantage.opob_norm full (set by --algo.vcpo_enable): every module of the actor that holds trainable
+    parameters is one the whole-model norm pass takes (``trainer/opob.py::norm_plan``, and each norm class's
+    forward checked against its form), read from the module tree built on the meta device from config.json: no
+    weight is loaded. A hub model not cached here is checked when the actor first scores a batch."""
+    advantage = args.algo.advantage
+    if advantage.baseline != "opob" or advantage.opob_norm != "full":
+        return
+    path = args.actor.model_name_or_path
+    folder = _model_folder(path)
+    if folder is None:
+        return
+    if flag_value(args, "ds.lora.rank", 0):  # only the adapters train: the tree's frozen modules do not matter
+        notices.append(
+            f"--algo.advantage.opob_norm full with --ds.lora.rank: {path}'s modules are checked when the actor first "
+            "scores a batch, not now."
+        )
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from openrlhf_ess.trainer import opob
+
+    try:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    except Exception as e:  # the model check reports an unreadable folder; a class not built here is run-time's
+        notices.append(
+            f"--algo.advantage.opob_norm full: {path}'s module tree could not be built on the meta device "
+            f"({first_line(e)}); its modules are checked when the actor first scores a batch."
+        )
+        return
+    try:
+        opob.check_scale_forms(model)  # norm_plan's refusals, and each norm class's forward against its form
+    except ValueError as e:
+        raise ConfigError(f"--actor.model_name_or_path {path}: {e}") from None
 
 
 def _model_folder(path: str) -> Optional[str]:
