@@ -105,6 +105,11 @@ def test_snapshot_scores_each_token_with_its_version(tiny_world, tmp_path, zero_
     m = res["metrics"]
     assert m["prox/extra_forwards"] == 2.0  # versions 0 and 1; version 2 is the live forward
     assert m["prox/host_memory_mb"] > 0 and m["prox/missing_version_tokens"] == 0
+    # the rows as two micro-batches grouped by version (the actor's make-experience path): same values, and
+    # versions 0 and 1 swapped in once each for both (fp32: 4 bytes per parameter), forwards in both
+    assert (res["grouped"] - expected).abs().max().item() < 1e-5
+    g = res["grouped_metrics"]
+    assert g["prox/swap_bytes"] == 2 * 4 * sum(res["numels"]) and g["prox/extra_forwards"] == 4.0
 
 
 @pytest.mark.engine
@@ -128,6 +133,11 @@ def test_zero3_snapshots_are_partitions_swapped_on_every_rank(tiny_world, tmp_pa
         assert res["partitioned"] == len(res["numels"]) and 0 < res["persistent"] < len(res["numels"])
         shard_bytes = sum(-(-numel // 2) * 4 for numel in res["numels"])  # fp32, half of each, rounded up
         assert res["metrics"]["prox/host_memory_mb"] * 2**20 == 3 * shard_bytes  # versions 0, 1, 2
+        # two micro-batches grouped by version: each stale partition moved once; rank 1 (nothing stale) pads to
+        # rank 0's two forwards per version
+        assert (res["grouped"] - expected).abs().max().item() < 1e-5, rank
+        g = res["grouped_metrics"]
+        assert g["prox/swap_bytes"] == 2 * shard_bytes and g["prox/extra_forwards"] == 4.0, rank
     # the gathered weights agree across ranks (on CPU this needs cpu_compat's "ZeRO-3 all-gathers" patch:
     # without it some gathers were read before they arrived, and the reference itself was garbage)
     for v in (0, 1, 2):

@@ -192,6 +192,8 @@ def memory_probe(actor) -> dict:
             total, largest = total + n, max(largest, n)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     report = {"model_bytes": total, "largest_param_bytes": largest, "world": world, "free": None, "total": None}
+    config = getattr(getattr(getattr(model, "model", None), "module", getattr(model, "model", None)), "config", None)
+    report["hidden"] = getattr(config, "hidden_size", 0) or 0  # the norm pass's per-row temporaries
     if torch.cuda.is_available():
         free, device_total = torch.cuda.mem_get_info()
         # What PyTorch's caching allocator holds but does not use is free to this process (upstream's fit()
@@ -201,24 +203,44 @@ def memory_probe(actor) -> dict:
     return report
 
 
-def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int) -> Dict[str, int]:
+def swap_device_bytes(prox_mode: str, model_bytes: int, largest_param_bytes: int, shards: int) -> int:
+    """Device bytes of a π_prox weight swap (``trainer/prox.py``): the stored weights of one version, this rank's
+    1/``shards`` of them (ZeRO-3; 1 otherwise), held beside the live ones for all the micro-batches of that version
+    (the versions take turns). EWMA (stored in fp32) copies each parameter in fp32 and casts it on the device: +
+    the largest parameter's share in fp32 (twice its 16-bit bytes) meanwhile. 0 for modes that swap nothing."""
+    if prox_mode not in ("snapshot", "interrupt", "ewma"):
+        return 0
+    shards = max(shards, 1)
+    swapped = -(-model_bytes // shards)
+    if prox_mode == "ewma":
+        swapped += 2 * -(-largest_param_bytes // shards)
+    return swapped
+
+
+def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int, hidden: int = 0) -> Dict[str, int]:
     """Extra device bytes per actor rank that the run's features state (docs/gpu_path.md), keyed by the flag
-    that brings (and reduces) each. Training's own memory is upstream's and DeepSpeed's, not counted here."""
+    that brings (and reduces) each. Training's own memory is upstream's and DeepSpeed's, not counted here.
+    ``hidden``: the policy's hidden size (the whole-model norm pass's temporaries)."""
     algo, vllm = args.algo, args.vllm
     zero3 = args.ds.zero_stage == 3
     needs: Dict[str, int] = {}
     if vllm.sync_check_tol > 0:  # checksums: one gathered parameter + one float64 chunk of 2^24 elements
         needs["--vllm.sync_check_tol (0 disables the sync check)"] = largest_param_bytes + 128 * MiB
-    swap_modes = {"snapshot", "interrupt", "ewma"}
-    if algo.prox_mode in swap_modes:  # the stored partition moved to the device while the live one is kept
-        partition = model_bytes // max(world, 1) if zero3 else model_bytes
-        if algo.prox_mode == "ewma":
-            partition = partition * 4 // 2  # kept in fp32 (the table's "ewma (1, fp32)"), weights in 16 bits
-        needs[f"--algo.prox_mode {algo.prox_mode}"] = partition
+    swap = swap_device_bytes(algo.prox_mode, model_bytes, largest_param_bytes, world if zero3 else 1)
+    if swap:
+        needs[f"--algo.prox_mode {algo.prox_mode}"] = swap
     if algo.prox_mode == "interrupt":
         budget = getattr(algo, "prox_score_memory_mb", None)
         if budget:
             needs["--algo.prox_score_memory_mb"] = int(budget) * MiB
+    advantage = getattr(algo, "advantage", None)  # (a namespace of the prox flags alone has none)
+    if advantage is not None and advantage.baseline == "opob" and advantage.opob_norm == "full":
+        from openrlhf_ess.trainer.opob import pass_extra_bytes
+
+        rows = args.train.micro_batch_size
+        needs["--algo.advantage.opob_norm full (head: no pass) / --train.micro_batch_size"] = pass_extra_bytes(
+            args.data.max_len, rows, hidden
+        )
     return needs
 
 
@@ -228,7 +250,9 @@ def check_memory(reports: Sequence[dict], args) -> str:
     if not measured:
         return "memory: not measured (no CUDA device)"
     worst = min(measured, key=lambda r: r["free"])
-    needs = memory_needs(args, worst["model_bytes"], worst["largest_param_bytes"], worst["world"])
+    needs = memory_needs(
+        args, worst["model_bytes"], worst["largest_param_bytes"], worst["world"], worst.get("hidden", 0)
+    )
     need = sum(needs.values())
     if need > worst["free"]:
         flag = max(needs, key=needs.get)

@@ -12,13 +12,20 @@ forward's gathers read the swapped partitions, and released again after it, so n
 stored weights outlives the block. Every rank must run the same swapped forwards (the gathers are
 collective); the actor agrees on them across ranks. This is the one place that touches ZeRO-3's
 parameter internals (``ds_tensor``, ``ds_persist``, ``ds_secondary_tensor``).
+
+Cost of a swap: this rank's stored bytes copied host -> device (pinned host memory where a CUDA device exists, so
+the copy runs at the link's DMA rate), and one such copy held on the device beside the live weights while the
+block runs. The actor runs every micro-batch of a version inside one block (``ProxSources.grouped_forwards``), so a
+make-experience moves each stale version once; :class:`SwapStats` counts the bytes and seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -48,33 +55,91 @@ def storage(param: torch.nn.Parameter) -> torch.Tensor:
     return shard
 
 
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a CPU tensor) in page-locked memory where a CUDA device exists, so host -> device copies of it are DMA
+    transfers that need no staging copy; ``t`` itself on CPU-only torch (nothing to pin for) or if pinning fails
+    (the host's locked-memory limit): the copy is then pageable, slower, and still correct."""
+    if not torch.cuda.is_available() or t.is_pinned():
+        return t
+    try:
+        return t.pin_memory()
+    except RuntimeError:
+        return t
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t``: written straight into page-locked memory where a CUDA device exists (no pageable copy
+    in between), else (CPU-only torch, or pinning refused) an ordinary one."""
+    if torch.cuda.is_available():
+        try:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.detach())
+        except RuntimeError:
+            pass
+    return t.detach().to("cpu", copy=True)
+
+
 def cpu_state(module: torch.nn.Module) -> State:
-    """A CPU copy of every parameter (its ZeRO-3 partition on this rank, when partitioned), by name."""
-    return {name: storage(p).detach().to("cpu", copy=True) for name, p in module.named_parameters()}
+    """A CPU copy (pinned where a GPU exists) of every parameter (its ZeRO-3 partition on this rank, when
+    partitioned), by name."""
+    return {name: host_copy(storage(p)) for name, p in module.named_parameters()}
 
 
 def state_bytes(state: State) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+@dataclass
+class SwapStats:
+    """What the swaps since the last reset moved: stored bytes bound into the module (copied host -> device on a
+    GPU; rebound without a copy on CPU), the seconds until they were on the device, and how many swaps."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    swaps: int = 0
+
+
+def device_copy(state, name: str, device: torch.device, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
+    """``state[name]`` on ``device`` in ``dtype``, and the stored bytes it was made from: a non-blocking copy (the
+    caller synchronises once per swap), or the state's own ``device_copy`` where it computes its values on the
+    device (the EWMA's scaling)."""
+    own = getattr(state, "device_copy", None)
+    if own is not None:
+        return own(name, device, dtype)
+    t = state[name]
+    return t.to(device=device, dtype=dtype, non_blocking=True), t.numel() * t.element_size()
+
+
 @contextlib.contextmanager
 def swapped_weights(
-    module: torch.nn.Module, state: State, release_gathered: Optional[Callable[[], None]] = None
+    module: torch.nn.Module,
+    state: State,
+    release_gathered: Optional[Callable[[], None]] = None,
+    stats: Optional[SwapStats] = None,
 ) -> Iterator[None]:
     """Run the block with ``module``'s parameters replaced by ``state`` (same names, shapes as ``storage``).
 
     ``release_gathered`` (ZeRO-3 only: the ZeRO-3 optimizer's ``empty_partition_cache``) returns every gathered
-    parameter to its partition: called before the swap and after the block, on every rank.
+    parameter to its partition: called before the swap and after the block, on every rank. ``stats`` (if given)
+    gets this swap's bytes and the seconds its copies took (synchronised, so they are the transfer's).
     """
     partitioned = release_gathered is not None
     if partitioned:
         release_gathered()
     saved = {}
     try:
+        t0, moved, device = time.perf_counter(), 0, None
         for name, p in module.named_parameters():
             target = storage(p) if partitioned else p
             saved[name] = target.data
-            target.data = state[name].to(device=target.device, dtype=target.dtype)
+            target.data, nbytes = device_copy(state, name, target.device, target.dtype)
+            moved += nbytes
+            device = target.device
+        if device is not None and device.type == "cuda":  # the non-blocking copies are done before the block
+            torch.cuda.current_stream(device).synchronize()
+        if stats is not None:
+            stats.bytes += moved
+            stats.seconds += time.perf_counter() - t0
+            stats.swaps += 1
         yield
     finally:
         if partitioned:
@@ -116,7 +181,8 @@ class WeightSnapshots:
 
     def load_state_dict(self, d: dict) -> None:
         self.keep = d["keep"]
-        self._states = OrderedDict(sorted(d["states"].items()))
+        states = sorted(d["states"].items())
+        self._states = OrderedDict((v, {n: pinned(t) for n, t in s.items()}) for v, s in states)
 
 
 class _Scaled(Mapping):
@@ -127,6 +193,14 @@ class _Scaled(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name] * self._factor
+
+    def device_copy(self, name: str, device: torch.device, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
+        """``self[name]`` on ``device`` and the bytes moved: the stored fp32 tensor copied as it is (non-blocking
+        from pinned memory), scaled and cast there; the device holds one fp32 parameter beside the swapped copy
+        meanwhile. Always a new tensor (never the stored average, which later updates change in place)."""
+        stored = self._tensors[name]
+        scaled = stored.to(device=device, non_blocking=True) * self._factor
+        return scaled.to(dtype), stored.numel() * stored.element_size()
 
     def __iter__(self):
         return iter(self._tensors)
@@ -162,7 +236,7 @@ class EwmaWeights:
 
     def start(self, module: torch.nn.Module) -> None:
         """hilton: θ̄_0 = θ₀ (this rank's storage of every parameter, fp32 on the host), W_0 = 1."""
-        self._avg = {name: storage(p).detach().float().cpu().clone() for name, p in module.named_parameters()}
+        self._avg = {name: pinned(storage(p).detach().float().cpu().clone()) for name, p in module.named_parameters()}
         self.total = 1.0
 
     def update(self, module: torch.nn.Module, decay: Optional[float] = None) -> None:
@@ -183,7 +257,7 @@ class EwmaWeights:
         for name, p in module.named_parameters():  # one parameter's fp32 host copy at a time, not the model's
             t = storage(p).detach().float().cpu()
             if first:
-                self._avg[name] = torch.zeros_like(t)
+                self._avg[name] = pinned(torch.zeros_like(t))
             self._avg[name].mul_(keep).add_(t, alpha=new)
             del t
         self.n += 1
@@ -222,7 +296,8 @@ class EwmaWeights:
                 f"the checkpoint's EWMA weights were averaged with --algo.prox_ewma_style {style}, this run asks for "
                 f"{self.style}: resume with --algo.prox_ewma_style {style}."
             )
-        self.decay, self.n, self._avg = d["decay"], d["n"], d["avg"]
+        self.decay, self.n = d["decay"], d["n"]
+        self._avg = {name: pinned(t) for name, t in d["avg"].items()} if d["avg"] is not None else None
         # checkpoints written before "kept" existed had a fixed decay
         self.kept = d.get("kept", self.decay**self.n if self.decay != "auto" else 1.0)
         self.total = d.get("total", 1.0)

@@ -7,12 +7,19 @@ at each sync (:meth:`ProxSources.score_streams`). The stores and the weight swap
 
 Under ZeRO-3 every swapped forward gathers on every rank, so the ranks agree on which forwards to run
 (one small all-reduce through ``openrlhf_ess.distributed``, on the collective device).
+
+A make-experience asks for π_prox once per micro-batch. The actor runs its micro-batches inside
+:meth:`ProxSources.grouped_forwards`: each asks as usual, gets the live forward back with the π_prox columns to be
+filled, and the swapped forwards run after the loop, grouped by version: each stored version is swapped in once for
+every micro-batch that needs it. Host -> device bytes per make-experience: (distinct stale versions) × this rank's
+stored bytes (snapshot), or 1 × (ewma, batch style), instead of that times the micro-batches.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, List, Optional
 
 import torch
 
@@ -28,6 +35,8 @@ class ProxSources:
         algo = args.algo
         self.snapshots = self.ewma = None
         self._seconds, self._forwards, self._missing = 0.0, 0, 0
+        self._swap = prox.SwapStats()  # prox/swap_bytes, prox/swap_seconds since the last metrics()
+        self._deferred: Optional[List[Optional[_Deferred]]] = None  # inside grouped_forwards: the calls' π_prox
         self._optimizer_steps_seen = 0
         # ZeRO-3: snapshots and EWMA weights are this rank's partitions, swapped in on every rank at once
         self.partitioned = prox.is_partitioned(self.module) if partitioned is None else partitioned
@@ -103,7 +112,7 @@ class ProxSources:
     def _swapped(self, state):
         """The module with ``state``'s weights for one block (all ranks together under ZeRO-3)."""
         release = self.engine.optimizer.empty_partition_cache if self.partitioned else None
-        return prox.swapped_weights(self.module, state, release)
+        return prox.swapped_weights(self.module, state, release, self._swap)
 
     def agree(self, local: list, candidates: list) -> list:
         """ZeRO-3: the candidates that any rank needs (each swapped forward gathers on every rank)."""
@@ -118,6 +127,8 @@ class ProxSources:
         snapshot: tokens of version v get the forward with v's weights (live weights for the current
         version); a version no longer kept gives NaN, which the controller masks and counts (or stops
         on, per --algo.prox_missing). ewma: one forward with the bias-corrected EWMA weights.
+        Inside :meth:`grouped_forwards` the swapped forwards are deferred: the live forward (with NaN on versions no
+        longer kept) is returned and its stale columns filled after the loop.
         """
         t0 = time.time()
         if self.ewma is not None:
@@ -127,7 +138,12 @@ class ProxSources:
                 self._lag_count += int(tagged.sum())
             state = self.ewma.state()
             if state is None:  # no optimizer step yet: the EWMA equals the initial weights
+                if self._deferred is not None:
+                    self._deferred.append(None)
                 return current
+            if self._deferred is not None:
+                self._deferred.append(_Deferred(forward, None, set()))
+                return current.clone()
             with self._swapped(state):
                 out = forward()
             self._forwards += 1
@@ -140,6 +156,9 @@ class ProxSources:
                     selected = versions == version
                     out[selected] = float("nan")
                     self._missing += int(selected.sum())
+            if self._deferred is not None:
+                self._deferred.append(_Deferred(forward, versions, set(stale) & set(kept)))
+                return out
             # under ZeRO-3 a rank without tokens of a version still joins that version's forward
             for version in self.agree(stale, [v for v in kept if v != weight_version]):
                 with self._swapped(self.snapshots.get(version)):
@@ -149,6 +168,71 @@ class ProxSources:
                 self._forwards += 1
         self._seconds += time.time() - t0
         return out
+
+    def grouped_forwards(self, run: Callable[[], list], weight_version: int) -> list:
+        """``run()``: this rank's old-log-prob forwards, one per micro-batch, each asking :meth:`log_probs` for its
+        π_prox (upstream's ``execute_batch`` loop over the actor's ``forward``); returns their results, the
+        (B, A) π_prox in each result's first A columns (a result may carry more columns after them).
+
+        The swapped forwards run after ``run()``, each stored weight set swapped in once for all the micro-batches
+        that need it, so a version's bytes move host -> device once per call instead of once per micro-batch. Each
+        deferred ``forward`` must be self-contained (it runs after its micro-batch's own forward returned). Under
+        ZeRO-3 every rank runs, per version, as many swapped forwards as the busiest rank (repeating one of its
+        micro-batches, result dropped): the forwards gather collectively.
+        """
+        if self._deferred is not None:
+            raise RuntimeError("ProxSources.grouped_forwards does not nest; this is a bug")
+        self._deferred = []
+        try:
+            results = run()
+            calls = self._deferred
+        finally:
+            self._deferred = None
+        if len(calls) != len(results):
+            raise RuntimeError(
+                f"{len(results)} old-log-prob forwards asked for pi_prox {len(calls)} times (one each expected): "
+                "a forward that skipped or repeated it would get another micro-batch's values; this is a bug"
+            )
+        t0 = time.time()
+        jobs = [(i, c) for i, c in enumerate(calls) if c is not None]
+        if self.ewma is not None:
+            state = self.ewma.state()  # None (no optimizer step yet) on every rank alike: nothing was deferred
+            self._score_groups(results, [] if state is None else [(state, jobs, None)], jobs)
+        else:
+            stale = sorted(set().union(*(c.stale for _, c in jobs)))
+            kept = self.snapshots.versions()  # the same on every rank
+            agreed = self.agree(stale, [v for v in kept if v != weight_version])
+            groups = [(self.snapshots.get(v), [(i, c) for i, c in jobs if v in c.stale], v) for v in agreed]
+            self._score_groups(results, groups, jobs)
+        self._seconds += time.time() - t0
+        return results
+
+    def _score_groups(self, results: list, groups: list, jobs: list) -> None:
+        """Per group (state, [(result index, call)], version; None: every column): one swap, then its calls'
+        forwards; under ZeRO-3 padded with forwards of this rank's first call up to the busiest rank's count."""
+        counts = [len(calls) for _, calls, _ in groups]
+        if self.partitioned and counts:
+            counts = [int(n) for n in distributed.all_reduce_max([float(n) for n in counts])]
+        for (state, calls, version), count in zip(groups, counts):
+            if count > len(calls) and not jobs:
+                raise RuntimeError(
+                    f"ZeRO-3: another actor rank needs pi_prox forwards with weight version {version}, and this rank "
+                    "has no micro-batch to join them with (the batch has fewer micro-batches than actor ranks): "
+                    "make --rollout.batch_size x --rollout.n_samples_per_prompt / --rollout.micro_batch_size a "
+                    "multiple of the actor ranks."
+                )
+            with self._swapped(state):
+                for i, call in calls:
+                    scored = call.forward()
+                    head = results[i][..., : scored.shape[-1]]  # the π_prox columns (OPOB appends one after)
+                    if version is None:
+                        head.copy_(scored)
+                    else:
+                        selected = call.versions == version
+                        head[selected] = scored[selected].to(head.dtype)
+                for _ in range(count - len(calls)):  # ZeRO-3: join the other ranks' gathers, result dropped
+                    jobs[0][1].forward()
+            self._forwards += count
 
     def score_streams(self, version: int, streams, kept=None, stop_ids=(), routes=None) -> list:
         """interrupt mode, at the sync version -> version + 1: π_version of each token stream, scored with the
@@ -195,12 +279,16 @@ class ProxSources:
             "prox/extra_forwards": float(self._forwards),
             "prox/missing_version_tokens": float(self._missing),
             "prox/host_memory_mb": stored / 2**20,
+            # stored weights swapped into the actor (host -> device on a GPU) and the seconds those copies took
+            "prox/swap_bytes": float(self._swap.bytes),
+            "prox/swap_seconds": self._swap.seconds,
         }
         if self.ewma is not None:
             out["prox/ewma_updates"] = float(self.ewma.n)
             if self.ewma_decay_used is not None:
                 out["prox/ewma_decay"] = self.ewma_decay_used
         self._seconds, self._forwards, self._missing = 0.0, 0, 0
+        self._swap = prox.SwapStats()
         return out
 
     # ---- checkpoint ----------------------------------------------------------------------------------
@@ -246,3 +334,14 @@ def check_partition_layout(module: torch.nn.Module, saved) -> None:
                 f"{tuple(prox.storage(p).shape)}). Under ZeRO-3 they are per-rank partitions: resume with the "
                 "same --ds.zero_stage and number of actor ranks (--actor.num_nodes x --actor.num_gpus_per_node)."
             )
+
+
+@dataclass
+class _Deferred:
+    """One micro-batch's π_prox forward left for :meth:`ProxSources.grouped_forwards`: ``forward()`` scores it with
+    whatever weights are swapped in; ``versions`` (B, A) its token versions (None: every column, EWMA); ``stale``
+    the kept versions it needs."""
+
+    forward: Callable[[], torch.Tensor]
+    versions: Optional[torch.Tensor]
+    stale: set

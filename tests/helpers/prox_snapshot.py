@@ -105,6 +105,22 @@ def main() -> None:
     current = forward()
     prox_lp = trainer.proximal_log_probs(current, versions, forward)
     after = forward()  # the live weights again
+    metrics = trainer.prox_metrics()
+
+    # the same rows as two micro-batches, scored as the actor's execute_batch does: grouped by version
+    def rows(sl):
+        def forward_rows():
+            with torch.no_grad():
+                seqs, mask, attn = batch.sequences[sl], batch.action_mask[sl], batch.attention_mask[sl]
+                return model(seqs, mask, attention_mask=attn).float()
+
+        return forward_rows
+
+    halves = [rows(slice(0, 2)), rows(slice(2, 3))]
+    grouped = trainer.prox.grouped_forwards(
+        lambda: [trainer.proximal_log_probs(f(), v, f) for f, v in zip(halves, (versions[:2], versions[2:]))],
+        trainer.weight_version,
+    )
     params = list(module.parameters())
     result = {
         "prox": prox_lp,
@@ -116,7 +132,9 @@ def main() -> None:
         "sequences": batch.sequences,
         "n_actions": batch.action_mask.shape[1],
         "ewma": dict(trainer.ewma.state().items()) if trainer.ewma is not None else None,  # materialised: a dict
-        "metrics": trainer.prox_metrics(),
+        "metrics": metrics,
+        "grouped": torch.cat(grouped),
+        "grouped_metrics": trainer.prox_metrics(),
         "step_states": step_states,
         "minibatch_prox": minibatch_prox,
         "partitioned": sum(1 for p in params if hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel),

@@ -301,27 +301,46 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
         ``rollout_routes`` (--algo.routing_replay) every forward replays the engine's experts."""
         if rollout_routes is None and self.trainer.routing_replay:
             raise routing_replay.missing_routes_error("an old-log-prob forward")
-        with (
-            routing_replay.applied(self.actor, rollout_routes, attention_mask=attention_mask),
-            sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.trainer.stop_ids),
-            self._opob_norms(sequences, action_mask) as norms,
-        ):
+        scoring = (sequences, attention_mask, rollout_kept_counts, rollout_routes)
+        with self._scoring(*scoring), self._opob_norms(sequences, action_mask) as norms:
             current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
             if self._opob_full():  # one forward with autograd and one backward, no parameter gradient (opob.py)
                 device = torch.cuda.current_device()
                 norms = [
                     opob.full_norms(self.actor, *(t.to(device) for t in (sequences, action_mask, attention_mask)))
                 ]
-            if rollout_versions is not None:
+        if rollout_versions is not None:
 
-                def forward_again():
+            def forward_again():  # self-contained: execute_batch runs it after this call, grouped by version
+                with self._scoring(*scoring):
                     return super(PolicyModelActorImpl, self).forward(
                         sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
                     )
 
-                current = self.trainer.proximal_log_probs(current, rollout_versions, forward_again)
+            current = self.trainer.proximal_log_probs(current, rollout_versions, forward_again)
         # --algo.advantage.baseline opob: θ's per-sample gradient norms ride as one last column (opob.py)
         return current if norms is None else opob.with_norms(current, norms[0])
+
+    @contextlib.contextmanager
+    def _scoring(self, sequences, attention_mask, rollout_kept_counts, rollout_routes):
+        """What every old-log-prob forward of a micro-batch runs in: the engine's experts replayed, the kept
+        support applied (each a no-op when its flag is off)."""
+        with (
+            routing_replay.applied(self.actor, rollout_routes, attention_mask=attention_mask),
+            sampling_mask.applied(rollout_kept_counts, sequences, attention_mask, self.trainer.stop_ids),
+        ):
+            yield
+
+    def execute_batch(self, method_name, all_data, start_idx, end_idx):
+        """Overrides upstream's loop over this rank's micro-batches only for the forward with token versions
+        (snapshot/ewma modes): the π_prox forwards run after the loop, grouped by weight version, each stored
+        version swapped in once for all micro-batches instead of once per micro-batch (``prox_sources.py``)."""
+        run = super().execute_batch
+        if method_name != "forward" or all_data.get("rollout_versions") is None:
+            return run(method_name, all_data, start_idx, end_idx)
+        return self.trainer.prox.grouped_forwards(
+            lambda: run(method_name, all_data, start_idx, end_idx), self.trainer.weight_version
+        )
 
     def _opob_full(self) -> bool:
         return config.opob_on(self.strategy.args) and self.strategy.args.algo.advantage.opob_norm == "full"
