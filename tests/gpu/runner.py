@@ -44,6 +44,7 @@ UNITS = {
     "8": ("8", "tests/gpu/test_8_mask_scoring.py", None, 300),
     "9": ("9", "tests/gpu/test_9_routing_replay.py", None, 240),
     "10": ("10", "tests/gpu/test_10_opob_full_norm.py", None, 240),
+    "11": ("11", "tests/gpu/test_11_prox_swap.py", None, 180),
 }
 LOG_SEPARATOR = "=" * 100
 ALL_CHECKS = ",".join(dict.fromkeys(num for num, _, _, _ in UNITS.values()))
