@@ -247,6 +247,37 @@ def test_a_module_fed_flattened_rows_is_refused():
         trainer_opob.model_sq_grad_norms(model, lambda: model(torch.tensor([[1, 2, 3], [4, 5, 6]])))
 
 
+def test_the_pass_peaks_no_higher_than_the_training_step_it_precedes():
+    """Peak of live CPU allocations (torch.profiler's memory events) of a random 4-layer Qwen2 (H = 128, V = 256,
+    gradient checkpointing on) scoring 2 rows of 256 tokens: the pass is at most the training forward + backward of
+    the same rows with each gradient dropped as it accumulates (ZeRO-3's footprint); keeping every layer's input
+    from the forward instead (the pass's earlier form) is far above it (the recomputation is what bounds it)."""
+    from benchmarks.opob_norm_memory import build, peaks
+
+    p = peaks(build(4, vocab=256), rows=2, length=256)
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in p.items()})
+    assert p["pass"] <= 1.02 * p["step"]
+    assert p["kept"] >= 1.3 * p["step"]
+
+
+def test_the_memory_self_check_counts_the_pass_and_names_the_flags(tiny_world, tmp_path):
+    """The start-up memory check adds what the pass holds beyond a training micro-batch (docs/opob.md) and, short
+    of it, refuses with the numbers and the flags that change it."""
+    from openrlhf_ess.checks import selfcheck
+    from tests.helpers.preflight_inputs import _args
+
+    args = _args(tiny_world, tmp_path, ["--algo.vcpo_enable", "--vllm.sync_check_tol", "0"])
+    args.data.max_len, args.train.micro_batch_size = 4096, 1
+    needs = selfcheck.memory_needs(args, 15 << 30, 1 << 30, 8, hidden=3584)
+    # max(8 · 4096², 2 · 64 MiB) = 128 MiB; 16 · 1 · 4096 · 3584 bytes = 224 MiB: 352 MiB at Qwen2.5-7B's width
+    key = "--algo.advantage.opob_norm full (head: no pass) / --train.micro_batch_size"
+    assert needs[key] == 352 << 20
+    report = {"model_bytes": 15 << 30, "largest_param_bytes": 1 << 30, "world": 8, "hidden": 3584}
+    with pytest.raises(selfcheck.SelfCheckError, match=r"300 MiB free .* need 3\d\d MiB more .*opob_norm full"):
+        selfcheck.check_memory([dict(report, free=300 << 20)], args)
+    assert "MiB free" in selfcheck.check_memory([dict(report, free=8 << 30)], args)
+
+
 @pytest.mark.parametrize("shape", [(7, 3, 5), (2, 40, 50)])  # T(d_in + d_out) > d_in d_out: direct; else gram
 def test_linear_ghost_norms_equal_the_explicit_gradient(shape):
     t, d_in, d_out = shape
@@ -322,8 +353,8 @@ def test_full_norms_through_a_deepspeed_actor_leave_its_step_unchanged(tiny_worl
 @pytest.mark.engine
 def test_full_norms_on_two_zero3_ranks_with_micro_batches_of_unequal_size(tiny_world, tmp_path):
     """Two ZeRO-3 ranks (gloo, torchrun): rank 0 holds rows 0-1, rank 1 row 2, as a prompt group split across
-    ranks gives. Each rank makes one pass whatever its rows (ZeRO-3's gathers stay matched: no hang), and each
-    row's norm equals autograd's on the plain model."""
+    ranks gives. One row per pass, two passes on each rank whatever its rows (rank 1's second is a filler, so
+    ZeRO-3's gathers stay matched: no hang), and each row's norm equals autograd's on the plain model."""
     import json
     import os
     import subprocess

@@ -192,6 +192,8 @@ def memory_probe(actor) -> dict:
             total, largest = total + n, max(largest, n)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     report = {"model_bytes": total, "largest_param_bytes": largest, "world": world, "free": None, "total": None}
+    config = getattr(getattr(getattr(model, "model", None), "module", getattr(model, "model", None)), "config", None)
+    report["hidden"] = getattr(config, "hidden_size", 0) or 0  # the norm pass's per-row temporaries
     if torch.cuda.is_available():
         free, device_total = torch.cuda.mem_get_info()
         # What PyTorch's caching allocator holds but does not use is free to this process (upstream's fit()
@@ -215,9 +217,10 @@ def swap_device_bytes(prox_mode: str, model_bytes: int, largest_param_bytes: int
     return swapped
 
 
-def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int) -> Dict[str, int]:
+def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int, hidden: int = 0) -> Dict[str, int]:
     """Extra device bytes per actor rank that the run's features state (docs/gpu_path.md), keyed by the flag
-    that brings (and reduces) each. Training's own memory is upstream's and DeepSpeed's, not counted here."""
+    that brings (and reduces) each. Training's own memory is upstream's and DeepSpeed's, not counted here.
+    ``hidden``: the policy's hidden size (the whole-model norm pass's temporaries)."""
     algo, vllm = args.algo, args.vllm
     zero3 = args.ds.zero_stage == 3
     needs: Dict[str, int] = {}
@@ -230,6 +233,14 @@ def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int) -
         budget = getattr(algo, "prox_score_memory_mb", None)
         if budget:
             needs["--algo.prox_score_memory_mb"] = int(budget) * MiB
+    advantage = getattr(algo, "advantage", None)  # (a namespace of the prox flags alone has none)
+    if advantage is not None and advantage.baseline == "opob" and advantage.opob_norm == "full":
+        from openrlhf_ess.trainer.opob import pass_extra_bytes
+
+        rows = args.train.micro_batch_size
+        needs["--algo.advantage.opob_norm full (head: no pass) / --train.micro_batch_size"] = pass_extra_bytes(
+            args.data.max_len, rows, hidden
+        )
     return needs
 
 
@@ -239,7 +250,9 @@ def check_memory(reports: Sequence[dict], args) -> str:
     if not measured:
         return "memory: not measured (no CUDA device)"
     worst = min(measured, key=lambda r: r["free"])
-    needs = memory_needs(args, worst["model_bytes"], worst["largest_param_bytes"], worst["world"])
+    needs = memory_needs(
+        args, worst["model_bytes"], worst["largest_param_bytes"], worst["world"], worst.get("hidden", 0)
+    )
     need = sum(needs.values())
     if need > worst["free"]:
         flag = max(needs, key=needs.get)

@@ -313,8 +313,8 @@ def add_opob_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULTS["algo.advantage.opob_norm"],
         choices=list(OPOB_NORMS),
         help="|g_i| in b*: head (default) = the LM head's, exact, from the make-experience forward (no backward); "
-        "full = every parameter's, exact, from one more forward and backward per micro-batch (VCPO's). "
-        "docs/opob.md.",
+        "full = every parameter's, exact, from one more forward and backward (VCPO's), --train.micro_batch_size "
+        "rows at a time (a training micro-batch's memory); dense models (MoE refused in pre-flight). docs/opob.md.",
     )
     group.add_argument(
         "--algo.vcpo_enable",

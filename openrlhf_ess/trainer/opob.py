@@ -373,22 +373,41 @@ def model_sq_grad_norms(model: torch.nn.Module, score: Callable[[], torch.Tensor
     return state.finish(grads)
 
 
-def full_norms(actor, sequences, action_mask, attention_mask, rows: Optional[int] = None) -> torch.Tensor:
+BLOCK_BYTES = 64 << 20  # linear_sq_grad_norms' default block of gradient rows
+
+
+def pass_extra_bytes(tokens: int, rows: int, hidden: int) -> int:
+    """Device bytes the whole-model norm pass holds beyond a training micro-batch of ``rows`` rows of ``tokens``
+    under the same gradient checkpointing (docs/opob.md, memory): one module's norm products, one row at a time
+    (two T × T fp32 matrices, or a ≤ 64 MiB fp32 block of its gradient and its 16-bit product), and over the rows
+    four B × T × H fp32 tensors (a norm's x̂, g and their product; a tied head's projection, kept to the end)."""
+    return max(8 * tokens * tokens, 2 * BLOCK_BYTES) + 4 * 4 * rows * tokens * hidden
+
+
+def full_norms(
+    actor, sequences, action_mask, attention_mask, rows: Optional[int] = None, passes: Optional[int] = None
+) -> torch.Tensor:
     """(B,) ‖∇_θ log π_θ(τ_i)‖² over all of the actor's parameters (``--algo.advantage.opob_norm full``), at the
-    actor's current weights, ``rows`` trajectories per pass (default: the whole micro-batch in one pass, so every
-    rank makes one pass per forward call and ZeRO-3's parameter gathers stay matched across ranks). ``actor``:
-    upstream's ``Actor`` (its forward gives the action log-probs at its temperature), in
-    training mode as for a training step: its gradient checkpointing bounds the pass's memory."""
+    actor's current weights, ``rows`` trajectories per pass (default: the whole micro-batch in one pass). The
+    actor's trainer passes ``--train.micro_batch_size``: a pass then holds what a training micro-batch holds under
+    the same gradient checkpointing, whatever ``--rollout.micro_batch_size`` (docs/opob.md, memory).
+
+    ``passes``: how many passes every rank makes for this call, at least ceil(B / rows); a rank with fewer rows
+    than that (the last micro-batch of a batch) repeats its first row and discards the result, so ZeRO-3's
+    parameter gathers stay matched across ranks. ``actor``: upstream's ``Actor`` (its forward gives the action
+    log-probs at its temperature), in training mode as for a training step (its gradient checkpointing on)."""
     from openrlhf_ess import upstream
     from openrlhf_ess.trainer import prox
 
     model = prox.causal_lm(actor.model)
     was_training = actor.training
     actor.train()
+    n = sequences.shape[0]
+    rows = min(rows or n, n)
+    passes = max(passes or 0, -(-n // rows))
     out = []
-    rows = rows or sequences.shape[0]
-    for start in range(0, sequences.shape[0], rows):
-        part = slice(start, start + rows)
+    for k in range(passes):
+        part = slice(k * rows, min((k + 1) * rows, n)) if k * rows < n else slice(0, 1)  # past the rows: a filler
         mask = action_mask[part]
 
         def score(part=part, mask=mask):
@@ -396,7 +415,9 @@ def full_norms(actor, sequences, action_mask, attention_mask, rows: Optional[int
             return (log_probs * mask.to(log_probs.dtype)).sum(-1)
 
         with upstream.actor_past_its_engine(actor):
-            out.append(model_sq_grad_norms(model, score))
+            norms = model_sq_grad_norms(model, score)
+        if k * rows < n:
+            out.append(norms)
     actor.train(was_training)
     return torch.cat(out).float().cpu()
 

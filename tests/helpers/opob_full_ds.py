@@ -59,7 +59,10 @@ def main() -> None:
         rows = slice(0, 2) if rank == 0 else slice(2, 3)
         seq, action_mask, attention_mask = seq[rows], action_mask[rows], attention_mask[rows]
         out = f"{a.out}.rank{rank}.json"
-    norms = None if a.no_norms else opob.full_norms(model, seq, action_mask, attention_mask).tolist()
+    # two ranks: one row per pass (a training micro-batch of 1), two passes each (a rollout micro-batch of 2), so
+    # rank 1 makes a filler pass after its one row
+    chunks = dict(rows=1, passes=2) if ranks else {}
+    norms = None if a.no_norms else opob.full_norms(model, seq, action_mask, attention_mask, **chunks).tolist()
     log_probs = model(seq, action_mask, attention_mask=attention_mask)
     loss = -(log_probs * action_mask).sum() / action_mask.sum()
     strategy.backward(loss, model, optim)

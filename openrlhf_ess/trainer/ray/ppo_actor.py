@@ -305,10 +305,11 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
         with self._scoring(*scoring), self._opob_norms(sequences, action_mask) as norms:
             current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
             if self._opob_full():  # one forward with autograd and one backward, no parameter gradient (opob.py)
-                device = torch.cuda.current_device()
-                norms = [
-                    opob.full_norms(self.actor, *(t.to(device) for t in (sequences, action_mask, attention_mask)))
-                ]
+                device, args = torch.cuda.current_device(), self.strategy.args
+                rows = args.train.micro_batch_size  # a pass holds what a training micro-batch holds (opob.md)
+                passes = -(-args.rollout.micro_batch_size // rows)  # the same count on every rank (ZeRO-3)
+                batch = (t.to(device) for t in (sequences, action_mask, attention_mask))
+                norms = [opob.full_norms(self.actor, *batch, rows=rows, passes=passes)]
         if rollout_versions is not None:
 
             def forward_again():  # self-contained: execute_batch runs it after this call, grouped by version
