@@ -8,7 +8,9 @@ the head computes from a kernel handle packed at start-up, so the engine went on
 the pretrained head (``vllm_worker_wrap.refresh_tied_heads``). Here a real vLLM CPU engine (in a subprocess:
 ``python -m tests.test_tied_lm_head MODEL OUT``, vLLM keeps process-wide state) takes two syncs through the reload
 path in several messages: the first with the refresh switched off, which reproduces the stale head (the test can see
-the fault), the second as shipped. Its prompt log-probs are compared with HF's forward of the weights sent.
+the fault), the second as shipped. Its prompt log-probs are compared with HF's forward of the weights sent, and its
+checksums as the sync check reads them. Tied Qwen2 by default; tied Qwen3 and Llama with ``-m slow``
+(``openrlhf_ess.tiny.families``).
 """
 
 import json
@@ -25,30 +27,7 @@ pytestmark = pytest.mark.engine  # an engine, DeepSpeed ranks or child processes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IDS = [5, 17, 30, 41, 12, 9, 60, 33, 21, 8, 44, 3, 27]
-BOUND = 16 << 10  # the tiny model (~0.2 MB) in a dozen messages, its embedding split
-
-
-def _build_model(folder: str) -> None:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from openrlhf_ess.tiny.world import build_tokenizer
-
-    tok = build_tokenizer(folder)
-    cfg = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(folder)
+BOUND = 16 << 10  # the tiny model (~0.4 MB) in dozens of messages, its larger tensors split
 
 
 def _trained(folder: str, seed: int):
@@ -116,13 +95,23 @@ def main(folder: str, out: str) -> None:
         json.dump(result, f)
 
 
-def test_a_tied_lm_head_takes_the_trained_weights_on_a_real_engine(tmp_path):
-    """fp32 engine and fp32 HF agree to ~1e-6 nats; the head left at the pretrained embedding is ~1 nat away."""
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen2_tied",
+        pytest.param("qwen3_tied", marks=pytest.mark.slow),
+        pytest.param("llama_tied", marks=pytest.mark.slow),
+    ],
+)
+def test_a_tied_lm_head_takes_the_trained_weights_on_a_real_engine(tmp_path, family):
+    """fp32 engine and fp32 HF agree to ~1e-5 nats; the head left at the pretrained embedding is ~1 nat away."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from openrlhf_ess.tiny.families import build_family_model
+
     folder, out = str(tmp_path / "model"), tmp_path / "log_probs.json"
-    _build_model(folder)
+    build_family_model(folder, family)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     run = subprocess.run(
         [sys.executable, "-m", "tests.test_tied_lm_head", folder, str(out)],
