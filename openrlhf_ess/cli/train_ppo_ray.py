@@ -203,18 +203,22 @@ def train(args) -> None:
     Raises :class:`resources.ResourceError` before anything is placed if the run's requests exceed the
     cluster; :class:`StartupFailed` if a model, the data or the reward file fails to load (before training
     began); :class:`ActorDied` if an actor of the run (e.g. a vLLM engine) dies during the run; and
-    :class:`EngineDied` if a vLLM engine's own processes die. Ray's own error reaches the driver within
+    :class:`EngineDied` if a vLLM engine's own processes die; :class:`EngineHung` if the engine watchdog stopped a
+    hung engine. Ray's own error reaches the driver within
     seconds (Ray fails every pending call on a dead actor) and is re-raised with our message.
     """
     from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf_ess.trainer.ray.rendezvous import role_classes
+    from openrlhf_ess.trainer.ray.engine_watchdog import WatchedEngines
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
     # Every trainer role draws its rendezvous port outside the ephemeral range (trainer/ray/rendezvous.py).
     classes = {
+    # The engines are watched from their creation on (--vllm.watchdog_s; trainer/ray/engine_watchdog.py).
+    engines = WatchedEngines(create_vllm_engines(args), args.vllm.watchdog_s)
         **role_classes(),
         "PolicyModelActor": PolicyModelActor,
-        "create_vllm_engines": create_vllm_engines(args),
+        "create_vllm_engines": engines,
     }
     if config.sampling_mask_on(args) or config.routing_replay_on(args):  # π_ref over the kept support / replayed
         from openrlhf_ess.trainer.ray.ref_actor import ReferenceModelActor
@@ -259,6 +263,8 @@ def train(args) -> None:
             raise
         raise ours from e
     finally:
+        if engines.hung is not None:  # the watchdog stopped a hung engine: Ray's error is that engine's death
+            raise EngineHung(engines.hung) from e
         import ray
 
         if watchdog is not None:
@@ -268,6 +274,7 @@ def train(args) -> None:
         if watch is not None:  # one last look before Ray ends the processes: files made since the last look
             watch.sample()
         ray.shutdown()
+        engines.stop()
 
 
 # How long a signalled run's own processes get to exit on SIGTERM before SIGKILL. The whole clean-up must fit in the
@@ -275,6 +282,11 @@ def train(args) -> None:
 # to its exit (measured, idle and beside two busy processes), since a Ray process always used the whole wait, and
 # what followed it (the /dev/shm files, the lock, the temp folder) was cut short.
 STOP_GRACE_S = 3.0
+class EngineHung(RunFailed):
+    """A vLLM engine had requests in flight and made no progress for ``--vllm.watchdog_s``: the watchdog stopped
+    it and the run stops; the message names the engine, how long and what it was doing (engine_watchdog.py)."""
+
+
 
 
 def end_after_a_signal(watch: shm_cleanup.ShmWatch) -> None:

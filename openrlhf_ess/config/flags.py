@@ -19,6 +19,10 @@ REWARD_TIMEOUT_S = 180.0
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 CPU_KV_CACHE_GB = 1.0
 
+# --vllm.watchdog_s default: no legitimate silence of an engine with requests in flight (a weight sync pausing partial
+# rollouts, a long prefill) comes near it on a GPU cluster; a hung engine costs at most this much of the allocation.
+ENGINE_WATCHDOG_S = 600.0
+
 OPOB_WEIGHTS = ("tis", "seq_product", "seq_product_truncated")
 OPOB_NORMS = ("head", "full")
 PROX_MODES = ("recompute", "snapshot", "interrupt", "dedicated", "ewma", "loglinear", "bypass")
@@ -100,6 +104,17 @@ def ewma_decay_arg(text: str):
         raise argparse.ArgumentTypeError(f"expected a decay in (0, 1) or '{EWMA_DECAY_AUTO}', got {text!r}") from None
 
 
+def watchdog_seconds(text: str) -> float:
+    """--vllm.watchdog_s: seconds >= 0 (0 = off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (0 = off), got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add openrlhf-ess flags to upstream's parser, in their own ``--help`` groups."""
     upstream.extend_choices(parser, "ds.param_dtype", "fp32")
@@ -176,6 +191,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="Run the sync check's canary (a log-prob comparison through the engine) at the first sync and then "
         "every N syncs; the checksums run at every sync. Default %(default)s; 1 = every sync (one engine request "
         "each). docs/flags.md.",
+    )
+    group.add_argument(
+        "--vllm.watchdog_s",
+        type=watchdog_seconds,
+        default=ENGINE_WATCHDOG_S,
+        help="An engine with requests in flight that streams no token and finishes no request for this many seconds "
+        "is hung: the run stops naming it (engine, pid, what it was doing). Default %(default)g, above a large "
+        "model's weight sync (it pauses partial rollouts); 0 = off, a hung engine is then waited for forever. "
+        "docs/faults.md.",
     )
     group.add_argument(
         "--reward.failure_policy",

@@ -577,6 +577,14 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         self._finished = []
         return out
 
+    async def watchdog_progress(self) -> Dict[str, Any]:
+        """This engine's pid and, per request in flight in vLLM, its output tokens so far, for the driver's engine
+        watchdog (``trainer/ray/engine_watchdog.py``). Read from vLLM's output processor, which every streamed token
+        passes through, so it covers every request (rollouts, evals, the canary), versions tracked or not."""
+        states = self.llm.output_processor.request_states
+        tokens = {rid: state.detokenizer.num_output_tokens() for rid, state in list(states.items())}
+        return {"pid": os.getpid(), "tokens": tokens}
+
     async def held_weight_version(self) -> int:
         """The weight version the engine holds: the last one :meth:`set_weight_version` gave it (0 before)."""
         return self.weight_version
