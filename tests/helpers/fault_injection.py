@@ -8,6 +8,9 @@ Each fault is switched on by its environment variable; unset, the run is the CLI
 - :data:`PERTURB_ENV` (a tensor name, e.g. ``model.layers.1.mlp.down_proj.weight``): at every reload sync, 1e-3 is
   added to the first element of that tensor before the load, far below what the canary's log-prob tolerance sees;
   the per-tensor checksums must name it.
+- :data:`STALE_TIED_HEAD_ENV` (``1``): at every reload sync, a tied LM head is not re-processed after vLLM's
+  ``reload_weights`` (``vllm_worker_wrap.refresh_tied_heads`` skipped), so on vLLM's CPU backend it keeps computing
+  with the pretrained embedding while the shared parameter holds the trained one; the sync check must name it.
 - :data:`FINAL_SAVE_ENV` (an errno name: ``EACCES``, ``ENOSPC``, ...): rank 0's ``save_pretrained`` of the final
   model raises that ``OSError`` in its first attempt (into ``--ckpt.output_dir``'s staging folder, after the ZeRO-3
   gather), as an output folder that became unwritable or full makes it raise. The fallback folders are not
@@ -50,7 +53,8 @@ CORRUPT_ENV = "OPENRLHF_ESS_TEST_FAULT_CORRUPT_WEIGHT_LOAD"
 PERTURB_ENV = "OPENRLHF_ESS_TEST_FAULT_PERTURB_WEIGHT_LOAD"
 FINAL_SAVE_ENV = "OPENRLHF_ESS_TEST_FAULT_FINAL_SAVE"
 HOLD_ENV = "OPENRLHF_ESS_TEST_FAULT_HOLD_AT"
-ENVS = (CORRUPT_ENV, PERTURB_ENV, FINAL_SAVE_ENV, HOLD_ENV)
+STALE_TIED_HEAD_ENV = "OPENRLHF_ESS_TEST_FAULT_STALE_TIED_HEAD"
+ENVS = (CORRUPT_ENV, PERTURB_ENV, FINAL_SAVE_ENV, HOLD_ENV, STALE_TIED_HEAD_ENV)
 HOLD_POINTS = ("sidecar", "audit")
 HOLD_LIMIT_S = 600.0
 PERTURBATION = 1e-3
@@ -194,6 +198,17 @@ def _worker_extension_class(WorkerWrap):
                 complete = staged.complete
                 staged.complete = lambda: faulty_weights(complete())
             return count
+
+        def load_weights_from_safetensors(self, blob: bytes) -> int:
+            if os.environ.get(STALE_TIED_HEAD_ENV) != "1":
+                return super().load_weights_from_safetensors(blob)
+            from openrlhf_ess.trainer.ray import vllm_worker_wrap
+
+            shipped, vllm_worker_wrap.refresh_tied_heads = vllm_worker_wrap.refresh_tied_heads, lambda model: []
+            try:
+                return super().load_weights_from_safetensors(blob)
+            finally:
+                vllm_worker_wrap.refresh_tied_heads = shipped
 
     return FaultInjectionWorkerWrap
 
