@@ -207,15 +207,15 @@ def train(args) -> None:
     hung engine. Ray's own error reaches the driver within
     seconds (Ray fails every pending call on a dead actor) and is re-raised with our message.
     """
+    from openrlhf_ess.trainer.ray.engine_watchdog import WatchedEngines
     from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf_ess.trainer.ray.rendezvous import role_classes
-    from openrlhf_ess.trainer.ray.engine_watchdog import WatchedEngines
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
-    # Every trainer role draws its rendezvous port outside the ephemeral range (trainer/ray/rendezvous.py).
-    classes = {
     # The engines are watched from their creation on (--vllm.watchdog_s; trainer/ray/engine_watchdog.py).
     engines = WatchedEngines(create_vllm_engines(args), args.vllm.watchdog_s)
+    # Every trainer role draws its rendezvous port outside the ephemeral range (trainer/ray/rendezvous.py).
+    classes = {
         **role_classes(),
         "PolicyModelActor": PolicyModelActor,
         "create_vllm_engines": engines,
@@ -258,23 +258,28 @@ def train(args) -> None:
 
         if isinstance(e, SelfCheckError):  # our message names the contract and the fix
             raise StartupFailed(str(e)) from e
+        if engines.hung is not None:  # the watchdog stopped a hung engine: Ray's error is that engine's death
+            raise EngineHung(engines.hung) from e
         ours = classify_failure(e, args, started.is_set())
         if ours is None:
             raise
         raise ours from e
     finally:
-        if engines.hung is not None:  # the watchdog stopped a hung engine: Ray's error is that engine's death
-            raise EngineHung(engines.hung) from e
         import ray
 
         if watchdog is not None:
             watchdog.stop()
+        engines.stop()
         if watch is not None and signals.received() is not None:
             end_after_a_signal(watch)  # does not return
         if watch is not None:  # one last look before Ray ends the processes: files made since the last look
             watch.sample()
         ray.shutdown()
-        engines.stop()
+
+
+class EngineHung(RunFailed):
+    """A vLLM engine had requests in flight and made no progress for ``--vllm.watchdog_s``: the watchdog stopped
+    it and the run stops; the message names the engine, how long and what it was doing (engine_watchdog.py)."""
 
 
 # How long a signalled run's own processes get to exit on SIGTERM before SIGKILL. The whole clean-up must fit in the
@@ -282,11 +287,6 @@ def train(args) -> None:
 # to its exit (measured, idle and beside two busy processes), since a Ray process always used the whole wait, and
 # what followed it (the /dev/shm files, the lock, the temp folder) was cut short.
 STOP_GRACE_S = 3.0
-class EngineHung(RunFailed):
-    """A vLLM engine had requests in flight and made no progress for ``--vllm.watchdog_s``: the watchdog stopped
-    it and the run stops; the message names the engine, how long and what it was doing (engine_watchdog.py)."""
-
-
 
 
 def end_after_a_signal(watch: shm_cleanup.ShmWatch) -> None:
