@@ -223,10 +223,28 @@ def test_first_step_start_is_when_the_first_batch_was_handed_over(monkeypatch):
 
 class _Logger:
     def __init__(self):
-        self.logged = []
+        self.logged, self.closed = [], 0
 
     def log_eval(self, step, logs):
+        assert not self.closed, "logged after close"
         self.logged.append((step, dict(logs)))
+
+    def log_train(self, step, logs):
+        assert not self.closed, "logged after close"
+
+    def close(self):
+        self.closed += 1
+
+
+class _FakeLock:
+    """The eval/sync lock actor (eval_schedule.WeightsStepLock) with ``ray.get`` the identity."""
+
+    def __init__(self, weights_step=0):
+        self.weights_step, self.held = weights_step, 0
+        self.get_weights_step = _Remote(lambda: self.weights_step)
+        self.set_weights_step = _Remote(lambda step: setattr(self, "weights_step", step))
+        self.acquire = _Remote(lambda: setattr(self, "held", self.held + 1))
+        self.release = _Remote(lambda: setattr(self, "held", self.held - 1))
 
 
 def test_sync_and_async_evals_log_the_clock(monkeypatch):
@@ -252,7 +270,266 @@ def test_sync_and_async_evals_log_the_clock(monkeypatch):
     actor = object.__new__(GenerateSamplesActorImpl)
     actor.samples_generator, actor.eval_dataloader, actor.generate_kwargs = generator, None, {}
     actor.args = types.SimpleNamespace(eval=types.SimpleNamespace(temperature=0.6, n_samples_per_prompt=2))
+    actor.vllm_lock = _FakeLock(weights_step=2)
+    monkeypatch.setattr(upstream_async.ray, "get", lambda ref: ref)
     assert GenerateSamplesActorImpl._run_eval(actor) == {"eval_default_pass1": 0.5, **clock}
+    assert actor._evaluated_step == 2  # the step whose weights the engines held (the lock's record)
+
+
+# ---- the eval schedule: the final step evaluated, labels = the weights evaluated ---------------------------------
+
+
+@pytest.fixture
+def upstream_importable():
+    """Upstream's trainer modules import on CPU once our compatibility shims are in (cpu_compat.apply)."""
+    from openrlhf_ess.runtime import cpu_compat
+
+    cpu_compat.apply()
+
+
+def test_run_steps_and_planned_evals():
+    from openrlhf_ess.trainer.eval_clock import planned_evals, run_steps
+
+    assert run_steps(32, 4, 1) == 8  # 32 prompts in batches of 4
+    assert run_steps(30, 8, 2) == 8  # 8 + 8 + 8 + 6 prompts = 4 steps (the short one trained), twice
+    assert planned_evals(2, 8) == [2, 4, 6, 8]  # the final step is a multiple
+    assert planned_evals(3, 8) == [3, 6, 8]  # ... or not: evaluated after it anyway
+    assert planned_evals(100, 8) == [8]  # beyond the run: the final step only
+    assert planned_evals(1, 3) == [1, 2, 3] and planned_evals(5, 0) == []
+
+
+def test_trackers_close_after_the_block_not_inside_it():
+    from openrlhf_ess.trainer.eval_schedule import trackers_left_open
+
+    tb = _Logger()
+    with trackers_left_open(None, tb):
+        tb.close()  # upstream's fit closing it at its end: held back
+        tb.log_eval(8, {"x": 1.0})  # the final eval still logs
+    assert tb.closed == 1 and tb.logged == [(8, {"x": 1.0})] and "close" not in vars(tb)
+    tb = _Logger()
+    with pytest.raises(RuntimeError):
+        with trackers_left_open(tb):
+            raise RuntimeError("fit failed")
+    assert tb.closed == 0 and "close" not in vars(tb)  # as upstream leaves them on an error
+
+
+class _Group:
+    """An actor group stand-in: records the checkpoints upstream's save_best_checkpoint asks for."""
+
+    def __init__(self):
+        self.saved = []
+
+    def async_run_method(self, method_name, tag, **kwargs):
+        self.saved.append(tag)
+        return []
+
+
+def _upstream_sync_trainer(monkeypatch, cls, steps, every):
+    """``cls`` (a subclass of upstream's PPOTrainer) built without Ray, running upstream's real ``fit``,
+    ``evaluate``, ``save_best_checkpoint`` and ``save_logs_and_checkpoints`` over ``steps`` fake rollout batches; the
+    eval metric rises with the step, so every eval is a new best."""
+    from openrlhf.trainer import ppo_trainer as upstream_sync
+
+    monkeypatch.setattr(upstream_sync.ray, "get", lambda refs: refs)
+    trainer = object.__new__(cls)
+    trainer.args = types.SimpleNamespace(
+        train=types.SimpleNamespace(num_episodes=1),
+        eval=types.SimpleNamespace(dataset="heldout.jsonl", steps=every, temperature=0.6, n_samples_per_prompt=2),
+        ckpt=types.SimpleNamespace(save_steps=float("inf"), best_metric_key=""),
+        logger=types.SimpleNamespace(logging_steps=1),
+        algo=types.SimpleNamespace(dynamic_filtering_enable=False),
+    )
+    trainer.generate_kwargs = {"temperature": 1.0}
+    trainer.wandb_logger, trainer.tensorboard_logger = None, _Logger()
+    trainer.best_eval_metric_value, trainer.best_eval_metric_key = float("-inf"), ""
+    trainer._latest_eval_metric_value = None
+    trainer.actor_model_group, trainer.critic_model_group = _Group(), None
+    trainer.eval_dataloader = [None]
+    trainer.prompts_dataloader = type("Loader", (), {"__len__": lambda s: steps, "state_dict": lambda s: {}})()
+    trainer.init_checkpoint_states = lambda: {"episode": 0, "global_step": 0, "total_consumed_prompts": 0}
+    batches = iter(range(1, steps + 1))
+
+    def generate_samples(**kwargs):
+        i = next(batches)
+        return [f"batch{i}"], None, 1, i == steps
+
+    trainer.samples_generator = types.SimpleNamespace(generate_samples=generate_samples)
+    trainer.evaluated_with = []
+
+    def generate_eval_samples(**kwargs):
+        trainer.evaluated_with.append(kwargs)
+        return []
+
+    trainer.samples_generator.generate_eval_samples = generate_eval_samples
+    trainer.step = 0
+
+    def train_step(rollout_samples, global_step):
+        trainer.step = global_step + 1
+        return {}, global_step + 1
+
+    trainer.train_step = train_step
+    metric = lambda loader, samples, n: {"eval_default_pass1": trainer.step / 10}  # noqa: E731
+    monkeypatch.setattr(upstream_sync, "compute_eval_metrics", metric)
+    return trainer
+
+
+@pytest.mark.parametrize("every, evals", [(2, [2, 4, 6, 8]), (3, [3, 6, 8]), (100, [8])])
+def test_sync_run_evaluates_its_final_step(upstream_importable, monkeypatch, every, evals):
+    """Upstream's fit over 8 steps evaluates the multiples of --eval.steps; the final step 8 is evaluated too
+    (once), logged before the tracker closes, and its best checkpoint saved."""
+    from openrlhf.trainer.ppo_trainer import PPOTrainer
+
+    from openrlhf_ess import upstream
+    from openrlhf_ess.trainer.ppo_trainer import PPOTrainerEvalImpl, PPOTrainerImpl
+
+    # ours adds the clock (tested above): upstream's here
+    monkeypatch.setattr(PPOTrainerImpl, "evaluate", upstream.ray_actor_class(PPOTrainer).evaluate)
+    for cls in (PPOTrainerEvalImpl, PPOTrainerImpl):
+        trainer = _upstream_sync_trainer(monkeypatch, cls, steps=8, every=every)
+        cls.fit(trainer)
+        tb = trainer.tensorboard_logger
+        assert [step for step, _ in tb.logged] == evals, cls
+        assert [logs["eval_default_pass1"] for _, logs in tb.logged] == [s / 10 for s in evals]  # that step's
+        assert tb.closed == 1
+        assert trainer.actor_model_group.saved == [f"best_global_step{s}" for s in evals]
+        assert all(kw["temperature"] == 0.6 and kw["n_samples_per_prompt"] == 2 for kw in trainer.evaluated_with)
+
+
+def test_sync_run_without_eval_steps_is_upstreams(upstream_importable, monkeypatch):
+    from openrlhf_ess.trainer.ppo_trainer import PPOTrainerEvalImpl
+
+    trainer = _upstream_sync_trainer(monkeypatch, PPOTrainerEvalImpl, steps=4, every=float("inf"))
+    PPOTrainerEvalImpl.fit(trainer)  # --eval.steps -1 (inf in the actors): no eval, not even the final one
+    assert trainer.tensorboard_logger.logged == [] and trainer.tensorboard_logger.closed == 1
+
+
+class _Queue:
+    def __init__(self, items=()):
+        self.items = list(items)
+
+    def put(self, item, block=True):
+        self.items.append(item)
+
+    def get(self, block=True):
+        return self.items.pop(0)
+
+
+def test_async_generator_labels_an_eval_with_the_weights_it_ran_on(upstream_importable, monkeypatch):
+    """Upstream's GenerateSamplesActor.fit with a queue of 2: the slot that triggered the eval carried step 6, but the
+    trainer had synced step 7 before the eval took the lock: the eval goes to the trainer labelled 7. After the last
+    batch the generator keeps answering freed slots until both are back: the slot of step 8 (step 8's weights
+    synced) gets its eval there, the repeated 8 none (just evaluated), and "done" follows. The final eval runs on
+    newer weights only."""
+    from openrlhf.trainer import ppo_trainer_async as upstream_async
+
+    from openrlhf_ess.trainer.ppo_trainer_async import GenerateSamplesActorEvalImpl
+
+    monkeypatch.setattr(upstream_async.ray, "get", lambda ref: ref)
+    metrics = {"eval_default_pass1": 0.5}
+    monkeypatch.setattr(upstream_async, "compute_eval_metrics", lambda loader, samples, n: metrics)
+    actor = object.__new__(GenerateSamplesActorEvalImpl)
+    actor.args = types.SimpleNamespace(
+        eval=types.SimpleNamespace(dataset="heldout.jsonl", steps=2, temperature=0.6, n_samples_per_prompt=2),
+        train=types.SimpleNamespace(num_episodes=1, async_queue_size=2),
+    )
+    actor.eval_dataloader, actor.generate_kwargs = [None], {}
+    actor._last_eval_step, actor._eval_just_done, actor._partial_rollout = -1, False, False
+    lock, queue = _FakeLock(weights_step=7), _Queue()
+    actor.vllm_lock, actor.rollout_queue = lock, queue
+    # slot tokens, each the trainer's step count when it freed the slot; the generator gives 7 back (no batch)
+    slots = actor.rollout_slots = _Queue([6, 7])
+    actor.prompts_dataloader = []
+    seen_by_eval = []
+
+    def generate_eval_samples(**kwargs):
+        seen_by_eval.append((lock.weights_step, lock.held))
+        return []
+
+    def no_batch(**kwargs):  # the last batch was queued before: the loader is exhausted
+        slots.items += [8, 8]  # meanwhile the trainer synced step 8 and freed both slots (the 2nd after the eval)
+        lock.weights_step = 8
+        return [], None, 0, True
+
+    actor.samples_generator = types.SimpleNamespace(generate_eval_samples=generate_eval_samples)
+    actor.samples_generator.generate_samples = no_batch
+    lock.weights_step = 7
+    slots.items = [6, 7]
+    GenerateSamplesActorEvalImpl.fit(actor, episode=0, total_consumed_prompts=0)
+    # labelled by the weights (7), not by the slot's 6; then step 8's eval in the tail; then the end
+    assert queue.items == [("eval", 7, metrics), ("eval", 8, metrics), "done"]
+    assert seen_by_eval == [(7, 1), (8, 1)] and lock.held == 0  # each under the lock
+    assert GenerateSamplesActorEvalImpl.evaluate_final(actor) is None  # step 8's weights were evaluated already
+    lock.weights_step = 9
+    assert GenerateSamplesActorEvalImpl.evaluate_final(actor) == (9, metrics) and lock.held == 0
+
+
+def test_async_trainer_evaluates_the_final_step_and_tags_a_best_checkpoint_by_its_weights(
+    upstream_importable, monkeypatch, capsys
+):
+    """Upstream's TrainingActor.fit over a queue: 4 batches, then an eval of step 2's weights that arrives when the
+    trainer holds step 4's (the queue was deep), then the end. The eval is logged at 2; its best checkpoint is
+    tagged with step 4 (the weights it holds); after the last step the generator evaluates step 4's weights, logged at
+    4 before the tracker closes."""
+    from openrlhf.trainer import ppo_trainer as upstream_sync
+
+    from openrlhf_ess.trainer.ppo_trainer_async import TrainingActorEvalImpl
+
+    monkeypatch.setattr(upstream_sync.ray, "get", lambda refs: refs)
+    trainer = object.__new__(TrainingActorEvalImpl)
+    trainer.args = types.SimpleNamespace(
+        eval=types.SimpleNamespace(dataset="heldout.jsonl", steps=2),
+        ckpt=types.SimpleNamespace(save_steps=float("inf"), best_metric_key=""),
+        logger=types.SimpleNamespace(logging_steps=1),
+        algo=types.SimpleNamespace(dynamic_filtering_enable=False),
+    )
+    trainer.wandb_logger, trainer.tensorboard_logger = None, _Logger()
+    trainer.best_eval_metric_value, trainer.best_eval_metric_key = float("-inf"), ""
+    trainer._latest_eval_metric_value = None
+    trainer.actor_model_group, trainer.critic_model_group = _Group(), None
+    batch = lambda i: ([f"b{i}"], {"episode": 0}, None, 0.0)  # noqa: E731
+    trainer.rollout_queue = _Queue(
+        [batch(1), batch(2), batch(3), batch(4), ("eval", 2, {"eval_default_pass1": 0.2}), "done"]
+    )
+    trainer.rollout_slots = _Queue()
+    trainer.train_step = lambda samples, step: ({}, step + 1)
+    finals = []
+    evaluator = types.SimpleNamespace(
+        evaluate_final=_Remote(lambda: finals.append(1) or (4, {"eval_default_pass1": 0.4}))
+    )
+    TrainingActorEvalImpl.set_evaluator(trainer, evaluator)
+    TrainingActorEvalImpl.fit(trainer)
+    tb = trainer.tensorboard_logger
+    assert tb.logged == [(2, {"eval_default_pass1": 0.2}), (4, {"eval_default_pass1": 0.4})]
+    assert tb.closed == 1 and finals == [1]
+    assert trainer.actor_model_group.saved == ["best_global_step4", "best_global_step4"]
+    out = capsys.readouterr().out
+    assert "best eval: the weights of step 2; the best checkpoint best_global_step4 holds step 4's" in out
+
+
+def test_the_lock_is_told_the_step_each_sync_sent(upstream_importable, monkeypatch):
+    """Inside upstream's TrainingActor.broadcast_to_vllm (which takes the lock), after the sync: step 3's weights
+    for the sync at the end of train_step(global_step=2); a resume's first sync sends the loaded step."""
+    from openrlhf.trainer import ppo_trainer as upstream_sync
+    from openrlhf.trainer import ppo_trainer_async as upstream_async
+
+    from openrlhf_ess.trainer.ppo_trainer_async import TrainingActorEvalImpl
+
+    monkeypatch.setattr(upstream_async.ray, "get", lambda refs: refs)
+    trainer = object.__new__(TrainingActorEvalImpl)
+    trainer.vllm_lock, trainer._partial_rollout = _FakeLock(), False
+    order = []
+    trainer.vllm_lock.acquire = _Remote(lambda: order.append("acquire"))
+    trainer.vllm_lock.release = _Remote(lambda: order.append("release"))
+    trainer.vllm_lock.set_weights_step = _Remote(lambda step: order.append(("step", step)))
+    monkeypatch.setattr(upstream_sync.BasePPOTrainer, "broadcast_to_vllm", lambda self: order.append("sync"))
+    monkeypatch.setattr(upstream_sync.BasePPOTrainer, "train_step", lambda self, s, g: self.broadcast_to_vllm())
+    TrainingActorEvalImpl.train_step(trainer, ["batch"], 2)
+    assert order == ["acquire", "sync", ("step", 3), "release"]
+    monkeypatch.setattr(upstream_sync.BasePPOTrainer, "init_checkpoint_states", lambda self: {"global_step": 10})
+    TrainingActorEvalImpl.init_checkpoint_states(trainer)
+    order.clear()
+    TrainingActorEvalImpl.broadcast_to_vllm(trainer)
+    assert order == ["acquire", "sync", ("step", 10), "release"]
 
 
 # ---- through the CLI ---------------------------------------------------------------------------------------------
@@ -273,10 +550,11 @@ def _trained_texts(audit: str, tokenizer) -> list:
 
 @pytest.mark.stack
 def test_async_eval_logs_version_and_wall_clock_and_never_trains_on_eval_prompts(tiny_world, tmp_path):
-    """Async + partial rollouts + interrupt π_prox, 8 steps of 4 prompts, a held-out eval every 2 steps: evals at
-    steps 2, 4 and 6 (the generator ends after the last batch) on the weights of that step, wall-clock keys
-    increasing, no eval prompt in a trained batch, and no eval stream scored at a sync (the store is empty once the
-    last batch is trained; an eval's 16 streams stayed there before the engine left them out)."""
+    """Async + partial rollouts + interrupt π_prox, 8 steps of 4 prompts, a held-out eval every 2 steps: evals due
+    after steps 2, 4 and 6 (each on the weights the engines hold when it starts, never twice on one step's) and after
+    the final step 8, each labelled with the step whose weights it ran on (the label is eval/weight_version),
+    wall-clock keys increasing, no eval prompt in a trained batch, and no eval stream scored at a sync (the store is
+    empty once the last batch is trained; an eval's 16 streams stayed there before the engine left them out)."""
     import json
 
     from transformers import AutoTokenizer
@@ -315,11 +593,12 @@ def test_async_eval_logs_version_and_wall_clock_and_never_trains_on_eval_prompts
     tb = read_tensorboard(run_dir)
     steps = lambda key: [s for s, _ in tb[key]]  # noqa: E731
     values = lambda key: [v for _, v in tb[key]]  # noqa: E731
-    assert steps("eval/eval_default_pass1") == [2, 4, 6]
-    assert values("eval/eval_num_samples") == [16.0] * 3
-    assert steps("eval/weight_version") == [2, 4, 6] and values("eval/weight_version") == [2.0, 4.0, 6.0]
+    labels = steps("eval/eval_default_pass1")
+    assert 2 <= len(labels) <= 4 and labels[-1] == 8 and labels == sorted(set(labels)) and labels[0] >= 2, labels
+    assert values("eval/eval_num_samples") == [16.0] * len(labels)
+    assert steps("eval/weight_version") == labels and values("eval/weight_version") == [float(s) for s in labels]
     wall, since = values("eval/wall_clock_s"), values("eval/wall_clock_since_step1_s")
-    assert steps("eval/wall_clock_s") == steps("eval/wall_clock_since_step1_s") == [2, 4, 6]
+    assert steps("eval/wall_clock_s") == steps("eval/wall_clock_since_step1_s") == labels
     assert 0 < since[0] < wall[0] and wall == sorted(set(wall)) and since == sorted(set(since))
     offsets = [w - s for w, s in zip(wall, since)]  # one clock, two origins: a constant offset
     assert max(offsets) - min(offsets) < 0.01
@@ -331,3 +610,70 @@ def test_async_eval_logs_version_and_wall_clock_and_never_trains_on_eval_prompts
     assert all(any(t.startswith(p) for p in train_prompts) for t in texts)
     # eval streams were not scored at a sync: once the last batch is trained, nothing is left in the store
     assert values("train/prox/store_entries")[-1] == 0.0
+
+
+@pytest.mark.stack
+def test_async_queue_of_8_labels_evals_by_their_weights_and_writes_only_its_own_folders(tiny_world, tmp_path):
+    """Async with a queue of 8 rollout batches, 16 steps of 2 prompts, an eval every 3 steps, token TIS (so the
+    engines are told versions and each eval logs eval/weight_version): every eval's step label equals the weight
+    version it ran on (the slots that trigger them carry the trainer's step when it freed them, while up to 8
+    batches were queued), the final step 16 is evaluated, and a best checkpoint is tagged with the step whose
+    weights it holds.
+
+    Started in a working directory that holds a first run's best checkpoint where upstream's default --ckpt.path
+    puts it (./ckpt/checkpoints_ppo_ray/_actor/best_global_step4), with its own --ckpt.output_dir and no
+    --ckpt.path: its checkpoints go under its output folder, and nothing of the first run's is deleted or changed."""
+    import glob
+    import re
+    import sys
+
+    from openrlhf_ess.tiny.world import build_prompts
+    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
+
+    heldout = build_prompts(str(tmp_path / "heldout.jsonl"), n=4, seed=1)
+    workdir = tmp_path / "workdir"
+    first = workdir / "ckpt" / "checkpoints_ppo_ray" / "_actor" / "best_global_step4"
+    os.makedirs(first)
+    (first / "mp_rank_00_model_states.pt").write_bytes(b"the first run's weights")
+    (first.parent / "latest").write_text("best_global_step4")
+
+    def tree(folder):
+        return sorted(
+            (os.path.relpath(os.path.join(r, n), folder), open(os.path.join(r, n), "rb").read())
+            for r, _, names in os.walk(folder)
+            for n in names
+        )
+
+    before = tree(workdir)
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    args = tiny_args(tiny_world, run_dir, steps_prompts=32)
+    i = args.index("--ckpt.path")
+    args = args[:i] + args[i + 2 :]  # not passed: under --ckpt.output_dir (run/ckpt)
+    args += ["--rollout.batch_size", "2", "--train.batch_size", "8", "--train.async_enable"]
+    args += ["--train.async_queue_size", "8", "--algo.tis_cap", "2"]
+    args += ["--eval.dataset", heldout, "--eval.steps", "3", "--eval.n_samples_per_prompt", "2"]
+    launcher = ["env", "-C", str(workdir), sys.executable, "-m"]  # the CLI's working directory
+    rc, log = run_cli(args, run_dir, timeout=900, launcher=launcher)
+    assert rc == 0, log[-4000:]
+    own = os.path.join(run_dir, "ckpt", "checkpoints_ppo_ray")
+    assert f"(the previous best is deleted) -> {own} (--ckpt.path);" in log
+    assert f". --ckpt.path not passed: {own}, under --ckpt.output_dir (upstream's default" in log
+    assert "evals at steps 3, 6, 9, 12, 15, 16 of 16 steps (32 prompts / --rollout.batch_size 2" in log
+
+    tb = read_tensorboard(run_dir)
+    labels = [s for s, _ in tb["eval/eval_default_pass1"]]
+    versions = tb["eval/weight_version"]
+    assert [s for s, _ in versions] == labels and [v for _, v in versions] == [float(s) for s in labels], versions
+    # an eval due at 3, 6, ... runs on the weights the engines hold when it starts (the trainer, with up to 8
+    # batches queued, may be several syncs ahead), never twice on one step's; then the final step 16
+    assert labels[-1] == 16 and labels == sorted(set(labels)) and labels[0] >= 3, labels
+    assert 2 <= len(labels) <= 6, labels
+    # the best checkpoint: one (the previous best rotated away), in its own folder, tagged with the step whose
+    # weights it holds: the evaluated one, or the later one a line names
+    (best,) = glob.glob(os.path.join(own, "_actor", "best_global_step*"))
+    held = int(best.rsplit("step", 1)[1])
+    named = re.findall(r"best eval: the weights of step (\d+); the best checkpoint best_global_step(\d+) holds", log)
+    assert held in labels or str(held) in [h for _, h in named], (held, labels, named)
+    assert all(int(h) > int(e) for e, h in named), named
+    assert tree(workdir) == before  # the first run's checkpoint, untouched

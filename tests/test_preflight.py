@@ -48,10 +48,14 @@ def test_tiny_run_passes_quickly(tiny_world, tmp_path, capsys):
     seconds = time.perf_counter() - start
     with capsys.disabled():
         print(f"\npre-flight of the tiny run: {seconds:.2f} s ({notices[-1]})")
-    assert len(notices) == 1, notices
-    assert notices[0].startswith("pre-flight checks passed") and "16 prompt records in 1 file(s)" in notices[0]
-    assert "reward_func dry call returned 1 reward for 1 query" in notices[0]
-    assert "2 output folder(s) writable" in notices[0]  # --ckpt.output_dir, --logger.tensorboard_dir
+    assert len(notices) == 2, notices
+    assert notices[0] == (  # where each output goes
+        f"outputs: the trained model, at the end of the run -> {args.ckpt.output_dir} (--ckpt.output_dir); "
+        f"TensorBoard events, from step 1 -> {args.logger.tensorboard_dir} (--logger.tensorboard_dir)."
+    )
+    assert notices[1].startswith("pre-flight checks passed") and "16 prompt records in 1 file(s)" in notices[1]
+    assert "reward_func dry call returned 1 reward for 1 query" in notices[1]
+    assert "2 output folder(s) writable" in notices[1]  # --ckpt.output_dir, --logger.tensorboard_dir
     assert os.listdir(args.ckpt.output_dir) == []  # created, and the probe file removed
 
 

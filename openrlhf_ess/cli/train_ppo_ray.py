@@ -77,7 +77,9 @@ def parse_args(argv: Optional[List[str]] = None):
     """
     parser = build_parser()
     flat = parser.parse_args(argv)
-    recipe = config.apply_vcpo_recipe(flat, config.given_dests(parser, argv))
+    given = config.given_dests(parser, argv)
+    recipe = config.apply_vcpo_recipe(flat, given)
+    config.default_output_paths(flat, given)  # --ckpt.path under --ckpt.output_dir unless passed
     config.validate_before_upstream(flat)
     args = upstream.finish_args(flat)
     if args.ray.accelerator not in ("cuda", "cpu") and ray_start.ray_address(args):
@@ -227,6 +229,9 @@ def train(args) -> None:
     if config.needs_our_controllers(args):
         from openrlhf_ess.trainer.ppo_trainer import PPOTrainer
         from openrlhf_ess.trainer.ppo_trainer_async import PPOTrainerAsync
+    elif config.eval_on(args):  # upstream's controllers with our eval schedule only (trainer/eval_schedule.py)
+        from openrlhf_ess.trainer.ppo_trainer import PPOTrainerEval as PPOTrainer
+        from openrlhf_ess.trainer.ppo_trainer_async import PPOTrainerAsyncEval as PPOTrainerAsync
     else:  # off: upstream's controllers run untouched (watched on the driver only, for the start of fit())
         from openrlhf.trainer.ppo_trainer import PPOTrainer
         from openrlhf.trainer.ppo_trainer_async import PPOTrainerAsync

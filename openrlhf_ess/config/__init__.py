@@ -38,12 +38,16 @@ from openrlhf_ess.config.flags import (
     shown,
 )
 from openrlhf_ess.config.resolve import (
+    CKPT_PATH_DEFAULTED,
+    CKPT_SUBDIR,
     VCPO_APPLIED,
     apply_vcpo_recipe,
     cpu_kv_cache,
     cpu_sync_backend,
     dedicated_gpus,
+    default_output_paths,
     default_tis_cap,
+    eval_on,
     given_dests,
     logical_gpus_needed,
     max_lag_possible,
@@ -64,6 +68,8 @@ from openrlhf_ess.errors import ConfigError
 
 __all__ = [
     "BYPASS_PROX_MODE",
+    "CKPT_PATH_DEFAULTED",
+    "CKPT_SUBDIR",
     "CPU_KV_CACHE_GB",
     "DEFAULTS",
     "EWMA_DECAY_AUTO",
@@ -93,7 +99,9 @@ __all__ = [
     "cpu_kv_cache",
     "cpu_sync_backend",
     "dedicated_gpus",
+    "default_output_paths",
     "default_tis_cap",
+    "eval_on",
     "ewma_decay_arg",
     "given_dests",
     "logical_gpus_needed",

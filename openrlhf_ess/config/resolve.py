@@ -1,7 +1,8 @@
 """What our flags resolve to: the flags one flag sets in others (``--algo.vcpo_enable``'s recipe, token-level TIS as
-upstream's IS-correction flags, the per-level TIS cap), values taken from the machine (the CPU sync backend, the CPU
-KV cache), and the predicates the rest of the package asks of the parsed flags (which features are on, what they
-need). Refusals of flag combinations are in :mod:`.validation`."""
+upstream's IS-correction flags, the per-level TIS cap), where outputs go by default (under ``--ckpt.output_dir``),
+values taken from the machine (the CPU sync backend, the CPU KV cache), and the predicates the rest of the package
+asks of the parsed flags (which features are on, what they need). Refusals of flag combinations are in
+:mod:`.validation`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from openrlhf_ess.errors import ConfigError
 from openrlhf_ess.runtime import cpu_compat
 
 VCPO_APPLIED = "algo.vcpo_applied"  # the recipe flags the recipe set (not the user), for messages
+CKPT_PATH_DEFAULTED = "ckpt.path_defaulted"  # --ckpt.path not passed: ours, under --ckpt.output_dir
+CKPT_SUBDIR = "checkpoints_ppo_ray"  # upstream's default --ckpt.path is ./ckpt/checkpoints_ppo_ray
 
 
 # ---- flags that set other flags ---------------------------------------------------------------------------------
@@ -75,6 +78,25 @@ def default_tis_cap(args: types.SimpleNamespace, notices: List[str]) -> None:
     if algo.tis_cap is None and algo.tis_level in TIS_DEFAULT_CAP:
         algo.tis_cap = TIS_DEFAULT_CAP[algo.tis_level]
         notices.append(f"--algo.tis_level {algo.tis_level}: weights truncated at --algo.tis_cap {algo.tis_cap:g}.")
+
+
+# ---- where outputs go -------------------------------------------------------------------------------------------
+
+
+def default_output_paths(flat: argparse.Namespace, given: set) -> None:
+    """Outputs upstream puts in the working directory by default go under ``--ckpt.output_dir`` instead.
+
+    Upstream's ``--ckpt.path`` default, ``./ckpt/checkpoints_ppo_ray``, is relative to the working directory, not to
+    ``--ckpt.output_dir``: every run started in one folder shared it, and the rotation of best checkpoints (and of
+    old ones, ``--ckpt.max_num``) deleted another run's there. Not passed, it is ``<--ckpt.output_dir>/`` +
+    :data:`CKPT_SUBDIR` (the same folder under upstream's default ``--ckpt.output_dir ./ckpt``). Runs on the parsed
+    flags, before upstream's post-parse code; the start-up notice says where each output goes
+    (``checks/preflight/outputs.py``). wandb's run files keep wandb's own default (``./wandb``, or ``WANDB_DIR``):
+    wandb only adds a new run folder there, it deletes nothing."""
+    flags = vars(flat)
+    flags[CKPT_PATH_DEFAULTED] = "ckpt.path" not in given
+    if flags[CKPT_PATH_DEFAULTED]:
+        flags["ckpt.path"] = os.path.join(flags["ckpt.output_dir"], CKPT_SUBDIR)
 
 
 # ---- values taken from the machine ------------------------------------------------------------------------------
@@ -147,6 +169,12 @@ def resume_applies(args) -> bool:
     upstream's."""
     ckpt = args.ckpt  # save_steps: -1 on the driver, inf in the actors (upstream's controller sets it) = never
     return bool(args.train.async_enable) and (bool(ckpt.load_enable) or 0 < ckpt.save_steps < float("inf"))
+
+
+def eval_on(args) -> bool:
+    """Whether the run evaluates (``--eval.dataset`` with ``--eval.steps`` N >= 1; -1, upstream's default, is no
+    eval: upstream's controllers turn it into inf in the actors)."""
+    return bool(args.eval.dataset) and 0 < args.eval.steps < float("inf")
 
 
 def mu_consumers(args: types.SimpleNamespace) -> List[str]:

@@ -108,7 +108,9 @@ def lock_dirs(args) -> List[Tuple[str, str]]:
     """(flag, folder) for each folder a run owns: the final model's, and the checkpoints' when it writes or resumes
     from them (resuming moves broken checkpoints aside). The same folder twice is locked once."""
     dirs = [("--ckpt.output_dir", args.ckpt.output_dir)]
-    best = args.eval.dataset and args.ckpt.best_metric_key != "none"
+    from openrlhf_ess import config
+
+    best = config.eval_on(args) and args.ckpt.best_metric_key != "none"  # a best checkpoint at an eval
     saving = args.ckpt.save_steps > 0 or best
     if saving or (args.ckpt.load_enable and os.path.isdir(args.ckpt.path)):
         dirs.append(("--ckpt.path", args.ckpt.path))

@@ -1,4 +1,5 @@
-"""When a held-out eval ran: the metrics that place each eval on a wall-clock axis and a weight version.
+"""When a held-out eval runs (:func:`planned_evals`: which steps; the controllers' side is ``eval_schedule.py``)
+and when it ran: the metrics that place each eval on a wall-clock axis and a weight version.
 
 Every eval (``--eval.dataset``, every ``--eval.steps`` steps) logs, besides upstream's ``eval/*`` metrics:
 
@@ -16,10 +17,24 @@ agree with the driver's (NTP) for ``eval/wall_clock_s``.
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Dict, Mapping, MutableMapping, Optional, Sequence
+from typing import Dict, List, Mapping, MutableMapping, Optional, Sequence
 
 LAUNCH_TIME_ENV = "OPENRLHF_ESS_LAUNCH_TIME"
+
+
+def run_steps(n_prompts: int, rollout_batch_size: int, num_episodes: int) -> int:
+    """Training steps of a run: one per rollout batch of ``--rollout.batch_size`` prompts, the last one short (upstream
+    trains it), times ``--train.num_episodes``."""
+    return math.ceil(n_prompts / rollout_batch_size) * num_episodes
+
+
+def planned_evals(every: int, total: int) -> List[int]:
+    """The steps evaluated in a run of ``total`` steps with ``--eval.steps every``: each multiple of ``every``, and
+    the final step (``eval_schedule.py``)."""
+    steps = list(range(every, total + 1, every))
+    return steps + [total] if total >= 1 and (not steps or steps[-1] != total) else steps
 
 
 def process_start_time() -> float:

@@ -1,7 +1,9 @@
 """Controller (single-controller PPO trainer): upstream's ``PPOTrainer`` with our generator and maker.
 
 Mirrors ``openrlhf/trainer/ppo_trainer.py``. Used only when a feature that consumes rollout
-log-probs or versions is on; otherwise upstream's trainer runs untouched.
+log-probs or versions is on; otherwise upstream's trainer runs untouched, or, when the run evaluates
+(``--eval.dataset`` and ``--eval.steps``), upstream's with our eval schedule only (:data:`PPOTrainerEval`:
+the final step evaluated, ``trainer/eval_schedule.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from openrlhf.trainer import ppo_trainer as _upstream  # noqa: E402
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.trainer import prox  # noqa: E402
+from openrlhf_ess.trainer.eval_schedule import SyncEvalMixin  # noqa: E402
 from openrlhf_ess.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
 from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
 
@@ -59,7 +62,7 @@ class OffPolicyControllerMixin:
 _UpstreamPPOTrainer = upstream.ray_actor_class(_upstream.PPOTrainer)
 
 
-class PPOTrainerImpl(OffPolicyControllerMixin, _UpstreamPPOTrainer):
+class PPOTrainerImpl(SyncEvalMixin, OffPolicyControllerMixin, _UpstreamPPOTrainer):
     def __init__(self, *args, **kwargs):
         """Upstream's init, building our SamplesGenerator and adopting our experience maker."""
         upstream.rebind(_UpstreamPPOTrainer.__init__, {"SamplesGenerator": SamplesGenerator})(self, *args, **kwargs)
@@ -79,6 +82,14 @@ class PPOTrainerImpl(OffPolicyControllerMixin, _UpstreamPPOTrainer):
 
 
 PPOTrainer = ray.remote(PPOTrainerImpl)
+
+
+class PPOTrainerEvalImpl(SyncEvalMixin, _UpstreamPPOTrainer):
+    """Upstream's ``PPOTrainer`` (its generator and maker) with our eval schedule: a run that evaluates and needs
+    none of our controllers' features."""
+
+
+PPOTrainerEval = ray.remote(PPOTrainerEvalImpl)
 
 
 class ScoreAtSyncMixin(_upstream.BasePPOTrainer):

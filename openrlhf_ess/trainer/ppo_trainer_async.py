@@ -1,6 +1,8 @@
 """Async controller: upstream's ``PPOTrainerAsync`` with our generator actor and training actor.
 
-Mirrors ``openrlhf/trainer/ppo_trainer_async.py``.
+Mirrors ``openrlhf/trainer/ppo_trainer_async.py``. Both ours and :data:`PPOTrainerAsyncEval` (upstream's actors
+with our eval schedule only, for a run that evaluates and needs none of our controllers' features) evaluate the
+final step and label each eval with the step whose weights it ran on (``trainer/eval_schedule.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from openrlhf.trainer import ppo_trainer_async as _upstream  # noqa: E402
 
 from openrlhf_ess import upstream  # noqa: E402
 from openrlhf_ess.trainer import resume, saving  # noqa: E402
+from openrlhf_ess.trainer.eval_schedule import (  # noqa: E402
+    AsyncEvalGeneratorMixin,
+    AsyncEvalTrainerMixin,
+    WeightsStepInLockMixin,
+    WeightsStepLock,
+)
 from openrlhf_ess.trainer.ppo_trainer import OffPolicyControllerMixin, ScoreAtSyncMixin  # noqa: E402
 from openrlhf_ess.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
 
@@ -22,7 +30,14 @@ _UpstreamTraining = upstream.ray_actor_class(_upstream.TrainingActor)
 _UpstreamAsync = upstream.ray_actor_class(_upstream.PPOTrainerAsync)
 
 
-class GenerateSamplesActorImpl(_UpstreamGenerate):
+class VLLMLockImpl(WeightsStepLock, upstream.ray_actor_class(_upstream.VLLMLock)):
+    """Upstream's lock between evals and weight syncs, also holding the step whose weights the engines have."""
+
+
+VLLMLock = ray.remote(num_cpus=0)(VLLMLockImpl)
+
+
+class GenerateSamplesActorImpl(AsyncEvalGeneratorMixin, _UpstreamGenerate):
     # Upstream's init, building our SamplesGenerator (keeps versions, checks μ).
     __init__ = upstream.rebind(_UpstreamGenerate.__init__, {"SamplesGenerator": SamplesGenerator})
 
@@ -40,9 +55,12 @@ class GenerateSamplesActorImpl(_UpstreamGenerate):
         return {**super()._run_eval(), **self.samples_generator.last_eval_clock}
 
 
-class TrainingActorImpl(OffPolicyControllerMixin, _UpstreamTraining, ScoreAtSyncMixin):
-    # MRO: ours, upstream's TrainingActor (lock + pause around the sync), ScoreAtSyncMixin (scores inside
-    # the pause), BasePPOTrainer (the sync itself).
+class TrainingActorImpl(
+    AsyncEvalTrainerMixin, OffPolicyControllerMixin, _UpstreamTraining, WeightsStepInLockMixin, ScoreAtSyncMixin
+):
+    # MRO: ours (the eval schedule's train_step first: OffPolicyControllerMixin's may call upstream's directly),
+    # upstream's TrainingActor (lock + pause around the sync), WeightsStepInLockMixin (tells the lock
+    # the step synced), ScoreAtSyncMixin (scores inside the pause), BasePPOTrainer (the sync itself).
     def __init__(self, pretrain, *args, **kwargs):
         super().__init__(pretrain, *args, **kwargs)
         self.adopt_experience_maker()
@@ -77,11 +95,38 @@ GenerateSamplesActor = ray.remote(GenerateSamplesActorImpl)
 TrainingActor = ray.remote(TrainingActorImpl)
 
 
-class PPOTrainerAsyncImpl(_UpstreamAsync):
-    # Upstream's init, creating our generator and training actors.
-    __init__ = upstream.rebind(
-        _UpstreamAsync.__init__, {"GenerateSamplesActor": GenerateSamplesActor, "TrainingActor": TrainingActor}
+def _with_actors(generate_actor, training_actor):
+    """Upstream's ``PPOTrainerAsync.__init__`` creating these actors and our lock, then giving the trainer the
+    generator's handle (the final eval runs on the generator, which holds the eval set)."""
+    upstream_init = upstream.rebind(
+        _UpstreamAsync.__init__,
+        {"GenerateSamplesActor": generate_actor, "TrainingActor": training_actor, "VLLMLock": VLLMLock},
     )
+
+    def __init__(self, *args, **kwargs):
+        upstream_init(self, *args, **kwargs)
+        ray.get(self.trainer_actor.set_evaluator.remote(self.generator_actor))
+
+    return __init__
+
+
+class PPOTrainerAsyncImpl(_UpstreamAsync):
+    __init__ = _with_actors(GenerateSamplesActor, TrainingActor)
 
 
 PPOTrainerAsync = ray.remote(PPOTrainerAsyncImpl)
+
+
+class GenerateSamplesActorEvalImpl(AsyncEvalGeneratorMixin, _UpstreamGenerate):
+    """Upstream's generator actor with our eval labels and final eval."""
+
+
+class TrainingActorEvalImpl(AsyncEvalTrainerMixin, _UpstreamTraining, WeightsStepInLockMixin):
+    """Upstream's training actor with our final eval and best-checkpoint tag."""
+
+
+class PPOTrainerAsyncEvalImpl(_UpstreamAsync):
+    __init__ = _with_actors(ray.remote(GenerateSamplesActorEvalImpl), ray.remote(TrainingActorEvalImpl))
+
+
+PPOTrainerAsyncEval = ray.remote(PPOTrainerAsyncEvalImpl)

@@ -24,9 +24,10 @@ module per input family, each with its own tests file (``tests/test_preflight_<m
    compiles and defines ``AgentExecutor``;
 6. ``outputs``: output, checkpoint and log folders: created, a probe file written and removed (the final save
    must not be the first write to its folder: an unwritable one would lose the trained model); none of them is,
-   holds or lies inside a model, prompt, reward or agent path; ``--ckpt.load_enable``: the checkpoint a resume
-   would load was written with the same ZeRO layout (which one is loaded, and broken ones, are
-   ``trainer/resume.py``'s);
+   holds or lies inside a model, prompt, reward or agent path; a checkpoint folder the run saves into holds no
+   earlier run's checkpoints (upstream's rotation would delete them); ``--ckpt.load_enable``: the checkpoint a
+   resume would load was written with the same ZeRO layout (which one is loaded, and broken ones, are
+   ``trainer/resume.py``'s); a notice says where each output goes and at which steps the evals run;
 7. a torch extension build lock left by a run killed during a DeepSpeed op's JIT build (every later run would
    wait on it forever) is removed with a notice, or named (``openrlhf_ess/runtime/build_locks.py``).
 """
@@ -59,9 +60,12 @@ def check(args: types.SimpleNamespace) -> List[str]:
     data._check_batches_fill(args, prompts, notices)
     reward_line = reward._check_reward_file(args, tokenizer, prompts.first, notices)
     reward._check_agent_file(args)
+    outputs._check_eval_steps(args, prompts.train_records, notices)
     outputs._check_outputs_are_not_inputs(args)
+    outputs._check_checkpoints_of_another_run(args)
     outputs._check_resume_checkpoint(args, notices)
     folders = outputs._check_writable_dirs(args)
+    notices.append(outputs.outputs_notice(args))
     build_locks.clear_stale(notices)  # a lock left by a run killed during a DeepSpeed op's JIT build: a hang
     notices.append(
         f"pre-flight checks passed in {time.perf_counter() - start:.1f} s: {prompts.summary()}"

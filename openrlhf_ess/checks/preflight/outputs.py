@@ -1,9 +1,12 @@
 """Pre-flight, outputs and what guards them: output, checkpoint and log folders created, a probe file written and
 removed (the final save must not be the first write to its folder: an unwritable one would lose the trained model);
 none of them is, holds or lies inside a model, prompt, reward or agent path (:func:`_check_outputs_are_not_inputs`);
-``--ckpt.load_enable``: the checkpoint a resume would load was written with the same ZeRO layout
-(:func:`_check_resume_checkpoint`; which one is loaded, and broken ones, are ``trainer/resume.py``'s). Stale build
-locks are ``runtime/build_locks.py``'s, called from :func:`~openrlhf_ess.checks.preflight.check`."""
+a checkpoint folder this run would save into holds no earlier run's checkpoints, which upstream's rotation deletes
+(:func:`_check_checkpoints_of_another_run`); ``--ckpt.load_enable``: the checkpoint a resume would load was written
+with the same ZeRO layout (:func:`_check_resume_checkpoint`; which one is loaded, and broken ones, are
+``trainer/resume.py``'s). The start-up notice says where each output goes (:func:`outputs_notice`) and at which steps
+the evals run (:func:`_check_eval_steps`). Stale build locks are ``runtime/build_locks.py``'s, called from
+:func:`~openrlhf_ess.checks.preflight.check`."""
 
 from __future__ import annotations
 
@@ -13,7 +16,22 @@ import tempfile
 import types
 from typing import List, Tuple
 
+from openrlhf_ess import config
 from openrlhf_ess.config import ConfigError
+from openrlhf_ess.runtime import run_lock
+from openrlhf_ess.trainer import eval_clock
+
+CHECKPOINT_ROLES = ("_actor", "_critic")  # the subfolders of --ckpt.path upstream's save_ckpt writes and rotates
+
+
+def saves_best(args: types.SimpleNamespace) -> bool:
+    """Whether the run saves a checkpoint at each eval that improves ``--ckpt.best_metric_key``."""
+    return config.eval_on(args) and args.ckpt.best_metric_key != "none"
+
+
+def saves_checkpoints(args: types.SimpleNamespace) -> bool:
+    """Whether the run writes into ``--ckpt.path``: every ``--ckpt.save_steps``, or at a best eval."""
+    return 0 < args.ckpt.save_steps < float("inf") or saves_best(args)
 
 
 def output_dirs(args: types.SimpleNamespace) -> List[Tuple[str, str, str]]:
@@ -21,9 +39,12 @@ def output_dirs(args: types.SimpleNamespace) -> List[Tuple[str, str, str]]:
     dirs = [("--ckpt.output_dir", args.ckpt.output_dir, "the trained model, at the end of the run")]
     if args.critic.model_name_or_path and args.critic.save_value_network:
         dirs.append(("--ckpt.output_dir", args.ckpt.output_dir + "_critic", "the critic, at the end of the run"))
-    best = args.eval.dataset and args.ckpt.best_metric_key != "none"
-    if args.ckpt.save_steps > 0 or best:
-        dirs.append(("--ckpt.path", args.ckpt.path, "checkpoints, every --ckpt.save_steps (and at a best eval)"))
+    if saves_checkpoints(args):
+        when = [f"every {args.ckpt.save_steps} steps"] if 0 < args.ckpt.save_steps < float("inf") else []
+        when += (
+            ["at each eval that improves the best metric (the previous best is deleted)"] if saves_best(args) else []
+        )
+        dirs.append(("--ckpt.path", args.ckpt.path, f"checkpoints, {' and '.join(when)}"))
     if args.logger.tensorboard_dir:
         dirs.append(("--logger.tensorboard_dir", args.logger.tensorboard_dir, "TensorBoard events, from step 1"))
     if args.algo.prox_audit_dir:
@@ -33,6 +54,93 @@ def output_dirs(args: types.SimpleNamespace) -> List[Tuple[str, str, str]]:
     if args.ray.temp_dir:
         dirs.append(("--ray.temp_dir", args.ray.temp_dir, "Ray's session files, at start-up"))
     return dirs
+
+
+def outputs_notice(args: types.SimpleNamespace) -> str:
+    """The start-up line that says where each output of the run goes, and which default moved."""
+    parts = [f"{what} -> {folder} ({flag})" for flag, folder, what in output_dirs(args)]
+    if args.logger.wandb.key and not os.environ.get("WANDB_DIR"):
+        parts.append(f"wandb's run files -> {os.path.join(os.getcwd(), 'wandb')} (wandb's default; set WANDB_DIR)")
+    line = "outputs: " + "; ".join(parts) + "."
+    if saves_checkpoints(args) and getattr(args.ckpt, "path_defaulted", False):
+        line += (
+            f" --ckpt.path not passed: {args.ckpt.path}, under --ckpt.output_dir (upstream's default, "
+            "./ckpt/checkpoints_ppo_ray, is relative to the working directory, where another run's checkpoints "
+            "would be rotated away)."
+        )
+    return line
+
+
+def _check_eval_steps(args: types.SimpleNamespace, n_prompts, notices: List[str]) -> None:
+    """Say at which steps the evals run, where the run's step count is known (the prompts were counted, no dynamic
+    filtering): every multiple of ``--eval.steps`` and the final step (``trainer/eval_schedule.py``); an
+    ``--eval.steps`` beyond the run's steps is named with the numbers. ``--eval.dataset`` without ``--eval.steps``:
+    no eval runs."""
+    if not args.eval.dataset:
+        return
+    if not config.eval_on(args):
+        notices.append(
+            f"--eval.dataset {args.eval.dataset} with --eval.steps {args.eval.steps}: no eval runs (upstream's -1 "
+            "means never). Pass --eval.steps N to evaluate every N steps and after the final step."
+        )
+        return
+    if n_prompts is None or args.algo.dynamic_filtering_enable:
+        return
+    every, batch, episodes = args.eval.steps, args.rollout.batch_size, args.train.num_episodes
+    total = eval_clock.run_steps(n_prompts, batch, episodes)
+    planned = eval_clock.planned_evals(every, total)
+    count = (
+        f"{total} steps ({n_prompts} prompts / --rollout.batch_size {batch} = {total // episodes} per episode x "
+        f"--train.num_episodes {episodes})"
+    )
+    shown = ", ".join(str(s) for s in planned) if len(planned) <= 8 else f"{planned[0]}, {planned[1]}, ..., {total}"
+    lag = (
+        f" Async: an eval due at a step runs on the weights the engines hold when it starts (up to "
+        f"--train.async_queue_size {args.train.async_queue_size} step(s) later) and is logged at their step."
+        if args.train.async_enable and every <= total
+        else ""
+    )
+    if every > total:
+        notices.append(
+            f"--eval.steps {every} is more than the run's {count}: no multiple of it is reached; the one eval runs "
+            f"after the final step {total}. For more evals, pass --eval.steps {max(1, total // 4)} or less."
+        )
+    else:
+        notices.append(f"evals at steps {shown} of {count}: every --eval.steps {every} and after the final step.{lag}")
+
+
+def _check_checkpoints_of_another_run(args: types.SimpleNamespace) -> None:
+    """A ``--ckpt.path`` this run saves into, without ``--ckpt.load_enable``, holds no checkpoint of an earlier run.
+
+    Upstream's save deletes them: a new best checkpoint removes every other ``best*`` folder, and a step checkpoint
+    removes the oldest beyond ``--ckpt.max_num``; a later resume would also load whichever ``latest`` names. A
+    folder a running run holds is left to the run lock, which names that run."""
+    if args.ckpt.load_enable or not saves_checkpoints(args):
+        return
+    found = []
+    for role in CHECKPOINT_ROLES:
+        folder = os.path.join(args.ckpt.path, role)
+        if os.path.isdir(folder):
+            found += sorted(
+                os.path.join(role, d) for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d))
+            )
+    if not found:
+        return
+    try:
+        with open(os.path.join(args.ckpt.path, run_lock.LOCK_NAME)) as f:
+            holder = run_lock.parse_holder(f.read())
+    except OSError:
+        holder = None
+    if holder is not None and run_lock.holder_alive(holder) is not False:
+        return  # in use: run_lock.acquire refuses it, naming the run
+    shown = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    passed = "--ckpt.path" if not getattr(args.ckpt, "path_defaulted", False) else "--ckpt.path (by default)"
+    raise ConfigError(
+        f"{passed} {args.ckpt.path} holds the checkpoints of an earlier run ({shown}). This run saves checkpoints "
+        "there, and upstream's rotation deletes the ones it finds (every other best checkpoint at a new best, the "
+        "oldest beyond --ckpt.max_num). To continue that run pass --ckpt.load_enable; to start a new one, pass a "
+        "new --ckpt.output_dir (or --ckpt.path), or move those checkpoints away first."
+    )
 
 
 def _check_ray_temp_dir(args: types.SimpleNamespace) -> None:
