@@ -449,3 +449,21 @@ def test_deepspeed_and_vllm_in_fresh_processes_print_none_of_it(tmp_path):
     lines = [ln for ln in run.stdout.splitlines() if "WARNING" in ln]  # vLLM's format: "(MainProcess pid=..) WARNING"
     assert len(lines) == 1 and lines[0].startswith("(MainProcess pid="), run.stdout
     assert lines[0].endswith("a vLLM warning that stays"), run.stdout
+
+
+def test_reload_filter_drops_a_tied_heads_warning_only_where_the_head_is_tied():
+    """vLLM's layerwise reload logs "<class>: Failed to load weights" with the class name alone: a rotary embedding's
+    is always harmless; a ParallelLMHead's is harmless only for a tied head (refreshed after the reload), and an
+    untied head's failure must still be seen."""
+    import logging
+
+    from openrlhf_ess.runtime.quiet import RELOAD_MESSAGE, RotaryReloadFilter
+
+    def record(layer):
+        return logging.LogRecord("x", logging.WARNING, "f", 1, RELOAD_MESSAGE, (layer,), None)
+
+    untied, tied = RotaryReloadFilter(), RotaryReloadFilter(tied_head=True)
+    assert not untied.filter(record("Llama3RotaryEmbedding")) and not tied.filter(record("RotaryEmbedding"))
+    assert untied.filter(record("ParallelLMHead"))  # an untied head that failed to load is reported
+    assert not tied.filter(record("ParallelLMHead"))
+    assert tied.filter(record("QKVParallelLinear")) and untied.filter(record("QKVParallelLinear"))

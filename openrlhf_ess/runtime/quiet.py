@@ -372,17 +372,27 @@ def install(cpu: bool, after_import: Callable[[str, Callable[[], None]], None]) 
 
 
 class RotaryReloadFilter(logging.Filter):
-    """Drops vLLM's "<X>RotaryEmbedding: Failed to load weights" reload warning; passes every other record."""
+    """Drops vLLM's "<X>RotaryEmbedding: Failed to load weights" reload warning and, with ``tied_head``, its
+    "ParallelLMHead: Failed to load weights" (a tied head: vLLM never reloads it, and the reload sync refreshes it
+    itself, ``vllm_worker_wrap.refresh_tied_heads``); passes every other record, an untied head's failure included."""
+
+    def __init__(self, tied_head: bool = False):
+        super().__init__()
+        self.tied_head = tied_head
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg != RELOAD_MESSAGE or not record.args:
             return True
-        layer = record.args[0] if isinstance(record.args, tuple) else record.args
-        return not str(layer).endswith("RotaryEmbedding")
+        layer = str(record.args[0] if isinstance(record.args, tuple) else record.args)
+        return not (layer.endswith("RotaryEmbedding") or (self.tied_head and layer == "ParallelLMHead"))
 
 
-def filter_vllm_reload_warning() -> None:
-    """Install :class:`RotaryReloadFilter` on vLLM's reload logger (idempotent; call in the engine's worker)."""
+def filter_vllm_reload_warning(tied_head: bool = False) -> None:
+    """Install :class:`RotaryReloadFilter` on vLLM's reload logger (idempotent; call in the engine's worker);
+    ``tied_head``: this worker's model has a tied LM head, whose warning is dropped too."""
     logger = logging.getLogger(RELOAD_LOGGER)
-    if not any(isinstance(f, RotaryReloadFilter) for f in logger.filters):
-        logger.addFilter(RotaryReloadFilter())
+    installed = [f for f in logger.filters if isinstance(f, RotaryReloadFilter)]
+    if installed:
+        installed[0].tied_head = installed[0].tied_head or tied_head
+    else:
+        logger.addFilter(RotaryReloadFilter(tied_head))

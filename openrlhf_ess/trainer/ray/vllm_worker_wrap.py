@@ -340,7 +340,8 @@ class WorkerWrap(_UpstreamWorkerWrap):
         self._loaded_checksums = trainer_checksums(tensors.items())
         from openrlhf_ess.runtime.quiet import filter_vllm_reload_warning
 
-        filter_vllm_reload_warning()  # vLLM's harmless "RotaryEmbedding: Failed to load weights" at every sync
+        # vLLM's harmless "<X>RotaryEmbedding: Failed to load weights" at every sync, and a tied head's (refreshed)
+        filter_vllm_reload_warning(tied_head=bool(tied_heads(self.model_runner.model)))
         count = len(tensors)
         self.reload_weights(weights_iterator=_drain(tensors))
         refresh_tied_heads(self.model_runner.model)  # a tied LM head is never reloaded by vLLM itself
