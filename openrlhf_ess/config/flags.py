@@ -125,6 +125,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 "CUDA) or reload (ours: one safetensors blob through Ray, loaded with vLLM's reload_weights; CPU and "
                 "GPU, one host copy of the model per sync). Without CUDA nccl becomes reload. docs/flags.md."
             )
+        elif action.dest == "ckpt.path":
+            action.help = (
+                "Step and best checkpoints. Not passed: <--ckpt.output_dir>/checkpoints_ppo_ray (ours; upstream's "
+                "./ckpt/checkpoints_ppo_ray is relative to the working directory). A folder holding an earlier run's "
+                "checkpoints is refused unless --ckpt.load_enable continues it. docs/running.md#where-outputs-go."
+            )
+        elif action.dest == "eval.steps":
+            action.help = (
+                "Evaluate --eval.dataset every N steps and after the final step (-1: never). An async eval is "
+                "logged at the step whose weights it ran on. Each eval costs one generation pass over the eval set. "
+                "docs/running.md#held-out-eval."
+            )
 
     add_ess_lr_arguments(parser)
     add_opob_arguments(parser)
