@@ -11,7 +11,7 @@ The real-stack sampling-mask tests run the check on a real (V1) engine, where it
 import pytest
 import torch
 
-from openrlhf_ess.trainer.ray.vllm_engine import CONTRACT_TOP_K, EngineContractError, check_kept_count_contract
+from openrlhf_ess.trainer.engine_contract import CONTRACT_TOP_K, EngineContractError, check_kept_count_contract
 
 
 def _top_k_generation(steps=8, vocab=50, k=CONTRACT_TOP_K, seed=0):

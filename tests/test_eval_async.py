@@ -60,7 +60,7 @@ def _fake_engine():
     """Our engine class without vLLM: upstream's generate_responses runs ``executor.execute`` once per sample; the
     executor (our version-tagging wrapper) streams two tokens through the real tracked stream, and checks what the
     engine tracks while the request is in flight."""
-    from openrlhf_ess.trainer.ray import vllm_engine
+    from openrlhf_ess.trainer.ray import rollout_tags, vllm_engine
 
     engine = object.__new__(vllm_engine.RolloutRayActorImpl)
     engine.weight_version, engine._inflight, engine._finished = 2, {}, []
@@ -82,7 +82,7 @@ def _fake_engine():
                 pass
             return {"observation_tokens": prompt + [9, 8], "action_ranges": [(len(prompt), len(prompt) + 2)]}
 
-    engine.executor = vllm_engine._VersionTaggingExecutor(Executor())
+    engine.executor = rollout_tags._VersionTaggingExecutor(Executor())
     return engine, seen_inflight
 
 
@@ -91,7 +91,7 @@ def _params(**extra_args):
 
 
 def test_engine_keeps_eval_requests_out_of_the_streams_scored_at_a_sync():
-    from openrlhf_ess.trainer.ray import vllm_engine
+    from openrlhf_ess.trainer.ray import rollout_tags, vllm_engine
 
     engine, seen_inflight = _fake_engine()
     impl = vllm_engine.RolloutRayActorImpl
@@ -99,7 +99,7 @@ def test_engine_keeps_eval_requests_out_of_the_streams_scored_at_a_sync():
     async def both():
         train = impl.generate_responses(engine, [1, 2], None, _params(), max_length=64, hf_tokenizer=None)
         evaluation = impl.generate_responses(
-            engine, [5, 6], None, _params(**{vllm_engine.EVAL_MARK: True}), max_length=64, hf_tokenizer=None
+            engine, [5, 6], None, _params(**{rollout_tags.EVAL_MARK: True}), max_length=64, hf_tokenizer=None
         )
         return await asyncio.gather(train, evaluation)  # concurrently: the mark stays with its own request
 
@@ -115,13 +115,13 @@ def test_engine_keeps_eval_requests_out_of_the_streams_scored_at_a_sync():
 
 def test_is_evaluation_reads_the_mark():
     from openrlhf_ess.trainer.ppo_utils.samples_generator import eval_sampling_params
-    from openrlhf_ess.trainer.ray import vllm_engine
+    from openrlhf_ess.trainer.ray import rollout_tags
 
     marked = eval_sampling_params(temperature=0.5, max_tokens=4)
-    assert vllm_engine.is_evaluation(marked) and marked.temperature == 0.5 and marked.max_tokens == 4
-    assert not vllm_engine.is_evaluation(_params())
-    assert not vllm_engine.is_evaluation(_params(other=1))
-    assert not vllm_engine.is_evaluation(object())
+    assert rollout_tags.is_evaluation(marked) and marked.temperature == 0.5 and marked.max_tokens == 4
+    assert not rollout_tags.is_evaluation(_params())
+    assert not rollout_tags.is_evaluation(_params(other=1))
+    assert not rollout_tags.is_evaluation(object())
 
 
 # ---- the generator: marks the eval's requests, records its clock ------------------------------------------------
@@ -168,7 +168,7 @@ def _samples_generator(monkeypatch, versions=(4, 4), tracked=True):
 
 
 def test_generator_marks_only_the_evals_requests(monkeypatch):
-    from openrlhf_ess.trainer.ray.vllm_engine import is_evaluation
+    from openrlhf_ess.trainer.ray.rollout_tags import is_evaluation
 
     gen = _samples_generator(monkeypatch)
     gen._dispatch_prompts_to_vllm(["train ="], [""], max_new_tokens=4)

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from openrlhf_ess.cli import train_ppo_ray as cli
-from openrlhf_ess.trainer.ray.vllm_engine import EngineContractError, check_lm_head_contract, engine_kwargs
+from openrlhf_ess.trainer.engine_contract import EngineContractError, check_lm_head_contract
+from openrlhf_ess.trainer.ray.vllm_engine import engine_kwargs
 from tests.test_config import _base
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,7 +15,7 @@ from openrlhf.models.loss import PolicyLoss as UpstreamPolicyLoss  # noqa: E402
 from openrlhf_ess.models import corrections as C  # noqa: E402
 from openrlhf_ess.models.loss import PolicyLoss  # noqa: E402
 from openrlhf_ess.trainer.ppo_utils.experience_maker import mask_stale_tokens, rollout_metrics  # noqa: E402
-from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, _Progress, versions_for_observation  # noqa: E402
+from openrlhf_ess.trainer.ray.rollout_tags import NO_VERSION, _Progress, versions_for_observation  # noqa: E402
 
 
 def test_progress_records_one_boundary_per_sync():

@@ -20,7 +20,8 @@ cpu_compat.apply()
 from openrlhf_ess import config  # noqa: E402
 from openrlhf_ess.models import routing_replay as seam  # noqa: E402
 from openrlhf_ess.trainer import carried, routing_replay  # noqa: E402
-from openrlhf_ess.trainer.ray import vllm_engine  # noqa: E402
+from openrlhf_ess.trainer.engine_contract import EngineContractError  # noqa: E402
+from openrlhf_ess.trainer.ray import rollout_tags, vllm_engine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +182,13 @@ def test_replay_buffer_carries_routes_through_split_and_collate():
 def test_check_routes_contract():
     routing_replay.check_routes_contract((6, 48, 8), 48, 8, rows=6)
     routing_replay.check_routes_contract((9, 2, 2), 2, 2)
-    with pytest.raises(vllm_engine.EngineContractError, match="returned no routed_experts.*vLLM >= 0.29"):
+    with pytest.raises(EngineContractError, match="returned no routed_experts.*vLLM >= 0.29"):
         routing_replay.check_routes_contract(None, 48, 8)
-    with pytest.raises(vllm_engine.EngineContractError, match=r"shape \[6, 47, 8\], expected \[6, 48, 8\]"):
+    with pytest.raises(EngineContractError, match=r"shape \[6, 47, 8\], expected \[6, 48, 8\]"):
         routing_replay.check_routes_contract((6, 47, 8), 48, 8, rows=6)
-    with pytest.raises(vllm_engine.EngineContractError, match="--algo.routing_replay"):
+    with pytest.raises(EngineContractError, match="--algo.routing_replay"):
         routing_replay.check_routes_contract((5, 48, 8), 48, 8, rows=6)
-    with pytest.raises(vllm_engine.EngineContractError, match="Model Runner V2"):
+    with pytest.raises(EngineContractError, match="Model Runner V2"):
         routing_replay.check_routes_contract((6, 48), 48, 8)
 
 
@@ -218,7 +219,7 @@ def test_engine_attaches_the_final_outputs_routes_to_the_response():
     for report in (True, False):
         engine.report_routes = report
         tracked = vllm_engine.RolloutRayActorImpl._tracking_stream(engine, generate)
-        executor = vllm_engine._VersionTaggingExecutor(Inner(), routes=report)
+        executor = rollout_tags._VersionTaggingExecutor(Inner(), routes=report)
         response = asyncio.run(executor.execute())
         assert response["rollout_versions"] == [-1, -1, -1, 0, 0]
         if report:
@@ -248,9 +249,9 @@ def test_engine_init_asks_vllm_for_routes_and_runs_the_self_check(monkeypatch):
     engine = object.__new__(vllm_engine.RolloutRayActorImpl)
     asyncio.run(vllm_engine.RolloutRayActorImpl.__init__(engine, report_routes=True))
     assert seen["enable_return_routed_experts"] is True
-    assert isinstance(engine.executor, vllm_engine._VersionTaggingExecutor)
+    assert isinstance(engine.executor, rollout_tags._VersionTaggingExecutor)
     seen.clear()
-    with pytest.raises(vllm_engine.EngineContractError, match="expected \\[6, 3, 2\\]"):
+    with pytest.raises(EngineContractError, match="expected \\[6, 3, 2\\]"):
         asyncio.run(vllm_engine.RolloutRayActorImpl.__init__(engine, report_routes=True, layers=3))
     seen.clear()
     asyncio.run(vllm_engine.RolloutRayActorImpl.__init__(object.__new__(vllm_engine.RolloutRayActorImpl)))
@@ -314,7 +315,7 @@ def test_engine_places_an_agents_routes_from_each_turn():
                     pass
             return {"observation_tokens": AGENT_OBSERVATION, "action_ranges": [(3, 5), (7, 9)]}
 
-    response = asyncio.run(vllm_engine._VersionTaggingExecutor(Agent(), routes=True).execute())
+    response = asyncio.run(rollout_tags._VersionTaggingExecutor(Agent(), routes=True).execute())
     assert response["rollout_routes"][:, 0, 0].tolist() == AGENT_EXPECTED
     sample = routing_replay.observation_routes(response["rollout_routes"], len(AGENT_OBSERVATION), 64)
     assert sample.shape == (1, 10, 1, 1) and sample[0, -1, 0, 0] == 255  # the last token: the sentinel
@@ -366,18 +367,18 @@ def test_inflight_routes_reads_vllms_output_processor():
     are the first rows of the routes vLLM's own final output carries."""
     processor, queue = _output_processor()
     llm = types.SimpleNamespace(output_processor=processor)
-    assert vllm_engine.inflight_routes(llm, "r0") is None  # nothing forwarded yet
+    assert rollout_tags.inflight_routes(llm, "r0") is None  # nothing forwarded yet
     _step(processor, 7, _rows(0, 3))
     assert queue.get_nowait().outputs[0].routed_experts is None  # vLLM returns routes only when it finishes
-    assert vllm_engine.inflight_routes(llm, "r0")[:, 0, 0].tolist() == [0, 1, 2]
+    assert rollout_tags.inflight_routes(llm, "r0")[:, 0, 0].tolist() == [0, 1, 2]
     _step(processor, 8, _rows(3, 1))
-    mid = vllm_engine.inflight_routes(llm, "r0")
+    mid = rollout_tags.inflight_routes(llm, "r0")
     assert mid[:, 0, 0].tolist() == [0, 1, 2, 3]
     _step(processor, 9, _rows(4, 1), finished=True)
     final = queue.get_nowait().outputs[0].routed_experts
     assert final.shape == (5, 1, 1) and np.array_equal(final[: len(mid)], mid)
     with pytest.raises(RuntimeError, match="holds 0 states for request 'r0'"):  # finished: vLLM dropped it
-        vllm_engine.inflight_routes(llm, "r0")
+        rollout_tags.inflight_routes(llm, "r0")
 
 
 def test_outgoing_streams_carry_routes_of_the_tokens_streamed_so_far():
@@ -386,9 +387,9 @@ def test_outgoing_streams_carry_routes_of_the_tokens_streamed_so_far():
     processor, _ = _output_processor()
     _step(processor, 7, _rows(0, 3))
     _step(processor, 8, _rows(3, 1))  # vLLM has 2 tokens; the stream consumer saw only the first
-    inflight = vllm_engine._Progress(0)
+    inflight = rollout_tags._Progress(0)
     inflight.streamed, inflight.prompt, inflight.tokens = 1, [1, 2, 3], [7]
-    done = vllm_engine._Progress(0)
+    done = rollout_tags._Progress(0)
     done.streamed, done.prompt, done.tokens, done.routes = 2, [5, 6], [4, 4], _rows(50, 3)
     engine = types.SimpleNamespace(
         weight_version=0,
@@ -410,13 +411,13 @@ def test_outgoing_streams_carry_routes_of_the_tokens_streamed_so_far():
 
 def test_check_inflight_routes_contract():
     routing_replay.check_inflight_routes_contract(5, 5, True)
-    with pytest.raises(vllm_engine.EngineContractError, match="had None rows"):
+    with pytest.raises(EngineContractError, match="had None rows"):
         routing_replay.check_inflight_routes_contract(None, 5, True)
-    with pytest.raises(vllm_engine.EngineContractError, match="had 4 rows, expected >= 5"):
+    with pytest.raises(EngineContractError, match="had 4 rows, expected >= 5"):
         routing_replay.check_inflight_routes_contract(4, 5, True)
-    with pytest.raises(vllm_engine.EngineContractError, match="differ from the first 5 rows"):
+    with pytest.raises(EngineContractError, match="differ from the first 5 rows"):
         routing_replay.check_inflight_routes_contract(5, 5, False)
-    with pytest.raises(vllm_engine.EngineContractError, match="a 32-token request streamed no output before"):
+    with pytest.raises(EngineContractError, match="a 32-token request streamed no output before"):
         routing_replay.check_inflight_routes_contract(None, 0, False, 32)
 
 
@@ -688,7 +689,7 @@ def test_self_check_reads_routes_mid_generation_when_a_sync_scores_streams(monke
     engine = object.__new__(vllm_engine.RolloutRayActorImpl)
     asyncio.run(vllm_engine.RolloutRayActorImpl.__init__(engine, report_routes=True, report_outgoing=True))
     tamper["on"] = True
-    with pytest.raises(vllm_engine.EngineContractError, match="differ from the first 3 rows"):
+    with pytest.raises(EngineContractError, match="differ from the first 3 rows"):
         asyncio.run(vllm_engine.RolloutRayActorImpl.__init__(engine, report_routes=True, report_outgoing=True))
 
 

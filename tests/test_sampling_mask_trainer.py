@@ -16,7 +16,7 @@ cpu_compat.apply()
 from openrlhf_ess import config  # noqa: E402
 from openrlhf_ess.models import sampling_mask as maths  # noqa: E402
 from openrlhf_ess.trainer import carried, sampling_mask  # noqa: E402
-from openrlhf_ess.trainer.ray import vllm_engine  # noqa: E402
+from openrlhf_ess.trainer.ray import rollout_tags  # noqa: E402
 
 LOGITS5 = torch.tensor([2.0, 1.0, 0.0, -1.0, -2.0])
 
@@ -160,13 +160,13 @@ def test_engine_kept_counts_and_alignment():
 
     tokens = [7, 8, 9]
     logprobs = [{7: LP(5)}, {8: LP(4)}, {9: LP(93)}]
-    assert vllm_engine.kept_counts(tokens, logprobs, 3, min_tokens=1) == [-5, 4, 93]  # first token: EOS banned
-    assert vllm_engine.kept_counts(tokens, logprobs, 2, min_tokens=0) == [5, 4]
+    assert rollout_tags.kept_counts(tokens, logprobs, 3, min_tokens=1) == [-5, 4, 93]  # first token: EOS banned
+    assert rollout_tags.kept_counts(tokens, logprobs, 2, min_tokens=0) == [5, 4]
     with pytest.raises(RuntimeError, match="--algo.sampling_mask keep"):
-        vllm_engine.kept_counts(tokens, None, 3, 1)
+        rollout_tags.kept_counts(tokens, None, 3, 1)
     # multi-turn: the second call's tokens follow 2 environment tokens
     calls = [[-5, 4], [-3]]
-    assert vllm_engine.align_to_observation(7, [(2, 4), (6, 7)], calls, fill=0) == [0, 0, -5, 4, 0, 0, -3]
+    assert rollout_tags.align_to_observation(7, [(2, 4), (6, 7)], calls, fill=0) == [0, 0, -5, 4, 0, 0, -3]
 
 
 def _parse(tiny_world, tmp_path, *extra):

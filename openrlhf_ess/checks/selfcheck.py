@@ -20,7 +20,7 @@ the checks; their time is logged). docs/gpu_path.md#start-up-self-checks lists t
   holds unused) against the extra peak the
   run's features state (docs/gpu_path.md's table, :func:`memory_needs`); a shortfall names the flag.
 - **Engine contract** (with ``--algo.sampling_mask keep``): in each engine at its start
-  (``trainer/ray/vllm_engine.py::check_kept_count_contract``).
+  (``trainer/engine_contract.py::check_kept_count_contract``).
 
 The functions ``*_report`` / ``*_probe`` run inside the Ray actors (through Ray's ``__ray_call__``, which works
 on upstream's actor classes untouched); everything else is pure and runs on the driver.

@@ -1,6 +1,6 @@
-"""The error of a failed engine contract, in a module of its own so that the engine actor
-(``trainer/ray/vllm_engine.py``) and the checks it runs from other rooms (``trainer/routing_replay.py``) can both
-import it without importing each other (that was the package's one import circle).
+"""The engine's start-up contracts (the kept-count sampler patch, the fp32 LM head) and the error of a failed one,
+in a module of their own so that the engine actor (``trainer/ray/vllm_engine.py``) and the checks it runs from other
+rooms (``trainer/routing_replay.py``) can both import them without importing each other.
 
 Also the vLLM version contract, shared by the driver's pre-flight (``checks/preflight/engine.py``, the driver's
 install) and each engine actor's start-up (its own install, on its own node): which build of vLLM a
@@ -10,11 +10,70 @@ vLLM is imported."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 
 class EngineContractError(RuntimeError):
     """A GPU-path contract of the engine failed its start-up self-check (the message names contract and fix)."""
+
+
+# ------------------------------------------------------------------------------- the engine's start-up contracts
+# Run by each engine actor after its engine starts (``vllm_engine.RolloutRayActorImpl``), on what its workers report.
+
+CONTRACT_TOP_K = 3  # the start-up check's top-k: a rank-in-kept-set engine reports 1..3, a k_t engine >= 3
+CONTRACT_REQUESTS = 8  # concurrent requests: vLLM 0.29 on CUDA takes its Triton top-k/top-p kernel from batch 8
+
+
+def check_kept_count_contract(
+    ranks: Sequence[int], top_k: int, patched_calls: Sequence[int], vocab: Optional[int] = None
+) -> None:
+    """Raise :class:`EngineContractError` unless the engine reported k_t >= ``top_k`` for every token of a
+    top-``top_k`` generation, k_t = ``top_k`` for most of them and k_t < ``vocab`` for all (a
+    mask that kept everything, k_t = V, passed the lower bound alone; ties at the boundary let a few exceed
+    ``top_k`` on vLLM's PyTorch path, never most), and the patched sampler ran in every worker (``patched_calls``
+    per worker)."""
+    fix = (
+        "Fix: run vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, which the engine sets for the mask unless "
+        "something overrides it) with the pinned vLLM, or run without --algo.sampling_mask."
+    )
+    if not patched_calls or min(patched_calls) == 0:
+        raise EngineContractError(
+            "start-up self-check failed (engine contract, --algo.sampling_mask keep): the kept-count sampler patch "
+            f"never ran in the engine's worker(s) (calls per worker {list(patched_calls)}), so the ranks it returns "
+            f"are vLLM's own, not the kept counts k_t the trainer needs. {fix}"
+        )
+    low = [r for r in ranks if r < top_k]
+    if not ranks or low:
+        raise EngineContractError(
+            "start-up self-check failed (engine contract, --algo.sampling_mask keep): a top-k "
+            f"{top_k} generation reported kept counts {list(ranks)}; every one must be >= {top_k} (the kept "
+            "support's size). Counts below it are ranks inside the kept set, and the trainer would renormalise "
+            f"over ~1 token. {fix}"
+        )
+    exact = sum(r == top_k for r in ranks)
+    if (vocab is not None and max(ranks) >= vocab) or 2 * exact < len(ranks):
+        raise EngineContractError(
+            "start-up self-check failed (engine contract, --algo.sampling_mask keep): a top-k "
+            f"{top_k} generation reported kept counts up to {max(ranks)} (only {exact} of {len(ranks)} equal to "
+            f"{top_k}{f'; vocabulary {vocab}' if vocab is not None else ''}): the mask kept more than the engine "
+            "sampled from, so the trainer would renormalise over tokens that could not be drawn (a count of the "
+            f"whole vocabulary means no truncation was seen at all). {fix}"
+        )
+
+
+def check_lm_head_contract(per_worker: Sequence[Sequence[str]]) -> None:
+    """Raise :class:`EngineContractError` unless every engine worker's LM head (each of its model's vLLM
+    ``LogitsProcessor`` modules) computes in fp32 (--vllm.fp32_lm_head). vLLM falls back to the model dtype,
+    with only a warning, on a platform without fp32 support, and a vLLM without ``head_dtype`` ignores the
+    override: either would leave a bf16 head while the run believes it has an fp32 one."""
+    bad = [heads for heads in per_worker if not heads or any(h != "torch.float32" for h in heads)]
+    if not per_worker or bad:
+        raise EngineContractError(
+            "start-up self-check failed (engine contract, --vllm.fp32_lm_head): the engine's LM head dtypes per "
+            f"worker are {[list(h) for h in per_worker]}, not torch.float32 (an empty list: no vLLM "
+            "LogitsProcessor found in the model). This vLLM or platform ignored hf_overrides head_dtype=float32. "
+            "Fix: use the pinned vLLM (0.29 on GPU, which honours it), or drop --vllm.fp32_lm_head."
+        )
 
 
 # ------------------------------------------------------------------------------------------ the vLLM version contract

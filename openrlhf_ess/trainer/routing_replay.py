@@ -9,7 +9,7 @@ engine's expert ids from the rollout to every forward that scores a rollout toke
   at the sample's token positions: ``rollout_routes`` [1, S, L, k], row i = the route of token i, the last token
   gets :func:`sentinel`. An agent's sample is several requests (one per turn): :func:`agent_routes` places them.
 - **Weight sync** (--algo.prox_mode interrupt/dedicated): each stream scored there carries its routes (an in-flight
-  request's read from vLLM's output processor, ``vllm_engine.inflight_routes``); :func:`stream_routes` lays them
+  request's read from vLLM's output processor, ``rollout_tags.inflight_routes``); :func:`stream_routes` lays them
   out for ``prox.stream_log_probs``.
 - **Sample → micro-batch**: upstream right-pads sequences (prompt at column 0); :func:`pad_routes` pads routes
   the same way, with the sentinel.
@@ -297,7 +297,7 @@ def check_inflight_routes_contract(
     mid_rows: Optional[int], needed: int, prefix_equal: bool, max_tokens: int = 0
 ) -> None:
     """Raise :class:`EngineContractError` unless a request's routes read while it was still generating
-    (``vllm_engine.inflight_routes``: what a weight sync scores in --algo.prox_mode interrupt/dedicated) had at
+    (``rollout_tags.inflight_routes``: what a weight sync scores in --algo.prox_mode interrupt/dedicated) had at
     least ``needed`` rows (prompt + tokens streamed so far − 1) and equal the first rows of its final routes.
     ``needed`` 0: the ``max_tokens``-token request streamed nothing before it finished, so no read was made."""
 

@@ -16,9 +16,10 @@ from openrlhf.utils.utils import zero_pad_sequences
 
 from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES, opob_on, routing_replay_on, sampling_mask_on
 from openrlhf_ess.models import corrections
+from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED
 from openrlhf_ess.trainer import opob, reward_check, routing_replay
 from openrlhf_ess.trainer.ppo_utils.samples_generator import kept_or_untruncated, versions_or_untagged
-from openrlhf_ess.trainer.ray.vllm_engine import NO_VERSION, NOT_TRUNCATED
+from openrlhf_ess.trainer.ray.rollout_tags import NO_VERSION
 
 LAG_BUCKETS = (0, 1, 2, 3)  # version-lag histogram: lag 0, 1, 2, and >= 3
 

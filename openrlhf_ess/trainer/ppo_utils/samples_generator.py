@@ -13,8 +13,9 @@ import torch
 from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator as _UpstreamSamplesGenerator
 
 from openrlhf_ess import config, upstream
+from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED
 from openrlhf_ess.trainer import eval_clock, resume, reward_check, routing_replay
-from openrlhf_ess.trainer.ray.vllm_engine import EVAL_MARK, NO_VERSION, NOT_TRUNCATED
+from openrlhf_ess.trainer.ray.rollout_tags import EVAL_MARK, NO_VERSION
 
 
 class SamplesGenerator(_UpstreamSamplesGenerator):

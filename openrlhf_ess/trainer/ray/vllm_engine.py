@@ -8,12 +8,11 @@ add keyword arguments on top of the ones it passes.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import copy
 import functools
 import logging
 import os
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 from openrlhf_ess.runtime import cpu_compat
 
@@ -24,244 +23,30 @@ from openrlhf.trainer.ray.vllm_engine import RolloutRayActor as _UpstreamRollout
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED  # noqa: E402  (kept-count tag of unsampled tokens)
-from openrlhf_ess.trainer.engine_contract import EngineContractError  # noqa: E402
+from openrlhf_ess.trainer.engine_contract import (  # noqa: E402
+    CONTRACT_REQUESTS,
+    CONTRACT_TOP_K,
+    check_kept_count_contract,
+    check_lm_head_contract,
+)
+from openrlhf_ess.trainer.ray.rollout_tags import (  # noqa: E402
+    _EVALUATION,
+    _GENERATE_CALLS,
+    NO_VERSION,
+    _Call,
+    _Progress,
+    _VersionTaggingExecutor,
+    inflight_routes,
+    is_evaluation,
+)
 from openrlhf_ess.utils.agent import SingleTurnAgentExecutor  # noqa: E402
 
 WORKER_EXTENSION = "openrlhf_ess.trainer.ray.vllm_worker_wrap.WorkerWrap"
-NO_VERSION = -1  # version tag of tokens the engine did not sample (prompt, environment feedback)
 
 logger = logging.getLogger(__name__)
 
 
-class _Call(NamedTuple):
-    """One engine.generate() call made by an executor.execute() call."""
-
-    versions: List[int]  # the weight version that sampled each output token
-    kept: List[int]  # --algo.sampling_mask: each output token's kept count k_t (else empty)
-    routes: Any  # --algo.routing_replay: the final output's routed_experts [P + G - 1, L, k] (else None)
-    prompt: Sequence[int]  # prompt token ids (kept with --algo.routing_replay, to place the routes)
-    tokens: Sequence[int]  # output token ids (idem)
-
-
-_GENERATE_CALLS: contextvars.ContextVar[Optional[List[_Call]]] = contextvars.ContextVar(
-    "openrlhf_ess_generate_calls", default=None
-)
-# A held-out eval's requests carry this key in ``SamplingParams.extra_args`` (set by our SamplesGenerator); the
-# engine serves them like any other but never reports them as rollouts to score (``outgoing_streams``).
-EVAL_MARK = "openrlhf_ess_eval"
-_EVALUATION: contextvars.ContextVar[bool] = contextvars.ContextVar("openrlhf_ess_evaluation", default=False)
-
-
-def is_evaluation(sampling_params) -> bool:
-    """Whether ``sampling_params`` belong to a held-out eval request (:data:`EVAL_MARK`)."""
-    return bool((getattr(sampling_params, "extra_args", None) or {}).get(EVAL_MARK))
-
-
-class _Progress:
-    """Output tokens streamed so far for one request, and the weight version of each stretch of them."""
-
-    __slots__ = ("streamed", "starts", "versions", "prompt", "tokens", "logprobs", "min_tokens", "routes")
-
-    def __init__(self, version: int, min_tokens: int = 0):
-        self.streamed = 0
-        self.starts, self.versions = [0], [version]
-        self.prompt, self.tokens = (), ()  # prompt token ids, output token ids so far (outgoing scoring)
-        self.logprobs = None  # vLLM's per-token log-prob dicts so far (kept counts, --algo.sampling_mask)
-        self.min_tokens = min_tokens
-        self.routes = None  # --algo.routing_replay: the final output's routed_experts [P + G - 1, L, k]
-
-    def switch(self, version: int) -> None:
-        # Generation is paused during a weight sync, so every token streamed so far was sampled by
-        # the outgoing weights and every later token by the new ones.
-        if self.streamed == self.starts[-1]:
-            self.versions[-1] = version
-        else:
-            self.starts.append(self.streamed)
-            self.versions.append(version)
-
-    def token_versions(self, n_tokens: int) -> List[int]:
-        ends = self.starts[1:] + [n_tokens]
-        out: List[int] = []
-        for start, end, version in zip(self.starts, ends, self.versions):
-            out.extend([version] * (min(end, n_tokens) - start))
-        return out
-
-    def kept_counts(self, n_tokens: int) -> List[int]:
-        """--algo.sampling_mask: per output token, k_t = |S_t| from the rank the sampler patch wrote
-        (``vllm_worker_wrap.install_kept_count_rank``), negated where vLLM banned the stop tokens
-        (the first ``min_tokens`` tokens of a request: docs/sampling_mask.md)."""
-        return kept_counts(self.tokens, self.logprobs, n_tokens, self.min_tokens)
-
-
-def kept_counts(tokens: Sequence[int], logprobs, n_tokens: int, min_tokens: int) -> List[int]:
-    """k_t per sampled token (see ``_Progress.kept_counts``); raises if the engine returned no log-probs."""
-    if n_tokens and not logprobs:
-        raise RuntimeError(
-            "--algo.sampling_mask keep: the engine returned no log-probs for a request, so the kept support of its "
-            "tokens is unknown. The rollout engines request them; an agent (--train.agent_func_path) must pass "
-            "the sampling params it is given (logprobs set) to llm_engine.generate."
-        )
-    return [
-        -lp[token].rank if i < min_tokens else lp[token].rank
-        for i, (token, lp) in enumerate(zip(tokens[:n_tokens], logprobs[:n_tokens]))
-    ]
-
-
-def inflight_routes(llm, request_id: str):
-    """The routed_experts of a request still generating, as vLLM has accumulated them so far: [P + g' - 1, L, k]
-    for g' >= the tokens streamed to the caller (``--algo.routing_replay`` with scoring at a weight sync), or None.
-
-    vLLM >= 0.29 returns routes only on a request's final output, but its ``OutputProcessor`` (in this process,
-    the AsyncLLM front end) appends each engine step's rows to the request's state as they arrive
-    (``RequestState.routed_experts_chunks``: the prompt's rows when its prefill completes, then one row per
-    decoded token) and concatenates them at the end (v1/engine/output_processor.py, 0.29 and 0.31). This reads
-    those chunks for the request the caller named ``request_id`` (vLLM keys its state by an internal id:
-    ``external_req_ids`` maps one to the other). Proved on the user's engine at start-up
-    (``_check_routes_contract``)."""
-    import numpy as np
-
-    processor = llm.output_processor
-    internal = [i for i in processor.external_req_ids.get(request_id, []) if i in processor.request_states]
-    if len(internal) != 1:
-        raise RuntimeError(
-            f"--algo.routing_replay: vLLM holds {len(internal)} states for request {request_id!r} (expected 1: one "
-            "completion per request, n=1, as OpenRLHF sends)."
-        )
-    chunks = processor.request_states[internal[0]].routed_experts_chunks
-    return np.concatenate(chunks, axis=0) if chunks else None
-
-
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-CONTRACT_TOP_K = 3  # the start-up check's top-k: a rank-in-kept-set engine reports 1..3, a k_t engine >= 3
-
-
-CONTRACT_REQUESTS = 8  # concurrent requests: vLLM 0.29 on CUDA takes its Triton top-k/top-p kernel from batch 8
-
-
-def check_kept_count_contract(
-    ranks: Sequence[int], top_k: int, patched_calls: Sequence[int], vocab: Optional[int] = None
-) -> None:
-    """Raise :class:`EngineContractError` unless the engine reported k_t >= ``top_k`` for every token of a
-    top-``top_k`` generation, k_t = ``top_k`` for most of them and k_t < ``vocab`` for all (a
-    mask that kept everything, k_t = V, passed the lower bound alone; ties at the boundary let a few exceed
-    ``top_k`` on vLLM's PyTorch path, never most), and the patched sampler ran in every worker (``patched_calls``
-    per worker)."""
-    fix = (
-        "Fix: run vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, which the engine sets for the mask unless "
-        "something overrides it) with the pinned vLLM, or run without --algo.sampling_mask."
-    )
-    if not patched_calls or min(patched_calls) == 0:
-        raise EngineContractError(
-            "start-up self-check failed (engine contract, --algo.sampling_mask keep): the kept-count sampler patch "
-            f"never ran in the engine's worker(s) (calls per worker {list(patched_calls)}), so the ranks it returns "
-            f"are vLLM's own, not the kept counts k_t the trainer needs. {fix}"
-        )
-    low = [r for r in ranks if r < top_k]
-    if not ranks or low:
-        raise EngineContractError(
-            "start-up self-check failed (engine contract, --algo.sampling_mask keep): a top-k "
-            f"{top_k} generation reported kept counts {list(ranks)}; every one must be >= {top_k} (the kept "
-            "support's size). Counts below it are ranks inside the kept set, and the trainer would renormalise "
-            f"over ~1 token. {fix}"
-        )
-    exact = sum(r == top_k for r in ranks)
-    if (vocab is not None and max(ranks) >= vocab) or 2 * exact < len(ranks):
-        raise EngineContractError(
-            "start-up self-check failed (engine contract, --algo.sampling_mask keep): a top-k "
-            f"{top_k} generation reported kept counts up to {max(ranks)} (only {exact} of {len(ranks)} equal to "
-            f"{top_k}{f'; vocabulary {vocab}' if vocab is not None else ''}): the mask kept more than the engine "
-            "sampled from, so the trainer would renormalise over tokens that could not be drawn (a count of the "
-            f"whole vocabulary means no truncation was seen at all). {fix}"
-        )
-
-
-def check_lm_head_contract(per_worker: Sequence[Sequence[str]]) -> None:
-    """Raise :class:`EngineContractError` unless every engine worker's LM head (each of its model's vLLM
-    ``LogitsProcessor`` modules) computes in fp32 (--vllm.fp32_lm_head). vLLM falls back to the model dtype,
-    with only a warning, on a platform without fp32 support, and a vLLM without ``head_dtype`` ignores the
-    override: either would leave a bf16 head while the run believes it has an fp32 one."""
-    bad = [heads for heads in per_worker if not heads or any(h != "torch.float32" for h in heads)]
-    if not per_worker or bad:
-        raise EngineContractError(
-            "start-up self-check failed (engine contract, --vllm.fp32_lm_head): the engine's LM head dtypes per "
-            f"worker are {[list(h) for h in per_worker]}, not torch.float32 (an empty list: no vLLM "
-            "LogitsProcessor found in the model). This vLLM or platform ignored hf_overrides head_dtype=float32. "
-            "Fix: use the pinned vLLM (0.29 on GPU, which honours it), or drop --vllm.fp32_lm_head."
-        )
-
-
-def align_to_observation(
-    n_tokens: int,
-    action_ranges: Sequence[Tuple[int, int]],
-    calls: Sequence[Sequence[int]],
-    fill: int = NO_VERSION,
-    what: str = "rollout versions",
-) -> List[int]:
-    """Per observation token: the value the i-th generate() call recorded for it, or ``fill`` for
-    prompt/environment tokens (versions: NO_VERSION; kept counts: NOT_TRUNCATED).
-
-    The i-th action range of a response is the output of the executor's i-th generate() call (true for
-    upstream's single- and multi-turn executors). A mismatch leaves the tokens untagged (never guessed).
-    """
-    values = [fill] * n_tokens
-    if len(action_ranges) != len(calls):
-        logger.warning(
-            "executor made %d generate() calls for %d action ranges; %s left untagged",
-            len(calls),
-            len(action_ranges),
-            what,
-        )
-        return values
-    for (start, end), call in zip(action_ranges, calls):
-        if len(call) != end - start:
-            logger.warning("action range of %d tokens but %d tokens generated; left untagged", end - start, len(call))
-            continue
-        values[start:end] = call
-    return values
-
-
-def versions_for_observation(
-    n_tokens: int, action_ranges: Sequence[Tuple[int, int]], calls: Sequence[Sequence[int]]
-) -> List[int]:
-    """Per observation token: the version that sampled it, or NO_VERSION for prompt/environment tokens."""
-    return align_to_observation(n_tokens, action_ranges, calls)
-
-
-class _VersionTaggingExecutor:
-    """Wraps an agent executor: collects the versions (and, with --algo.sampling_mask, the kept counts) of its
-    generate() calls into the response."""
-
-    def __init__(self, inner, kept_counts: bool = False, routes: bool = False):
-        self._inner, self._kept_counts, self._routes = inner, kept_counts, routes
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    async def execute(self, *args, **kwargs):
-        calls: List[_Call] = []
-        token = _GENERATE_CALLS.set(calls)
-        try:
-            response = await self._inner.execute(*args, **kwargs)
-        finally:
-            _GENERATE_CALLS.reset(token)
-        n, ranges = len(response["observation_tokens"]), response["action_ranges"]
-        response["rollout_versions"] = versions_for_observation(n, ranges, [c.versions for c in calls])
-        if self._kept_counts:
-            response["rollout_kept_counts"] = align_to_observation(
-                n, ranges, [c.kept for c in calls], NOT_TRUNCATED, "kept counts"
-            )
-        if self._routes:
-            # --algo.routing_replay: one call (single turn) or one per agent turn, each a prefix of the observation
-            # (routing_replay.agent_routes); a call without routes leaves None, refused by the samples generator
-            from openrlhf_ess.trainer.routing_replay import agent_routes
-
-            if calls and all(c.routes is not None for c in calls):
-                response["rollout_routes"] = agent_routes(
-                    response["observation_tokens"], [(c.prompt, c.tokens, c.routes) for c in calls]
-                )
-            else:
-                response["rollout_routes"] = None
-        return response
 
 
 class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
