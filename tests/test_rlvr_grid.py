@@ -89,6 +89,43 @@ def test_the_search_uses_grpo_advantages_worked_by_hand():
     assert torch.allclose(centred, torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
 
 
+def test_the_search_counts_a_rise_in_eval_standard_errors():
+    from benchmarks.rlvr_search import eval_se, rise
+
+    # 788 samples at 0.5: sqrt(0.25 / 788) = 0.017812; at 0.15: sqrt(0.1275 / 788) = 0.012720
+    assert eval_se(0.5) == pytest.approx(0.017812, abs=1e-6)
+    assert eval_se(0.15) == pytest.approx(0.012720, abs=1e-6)
+    # rows [step, greedy, T = 1]: start 0.15, end = mean of the last two (0.45 + 0.55) / 2 = 0.5, rise 0.35, over
+    # the larger of the two errors (0.017812): 19.65
+    curve = [[0, 0.3, 0.15], [10, 0.4, 0.3], [20, 0.5, 0.45], [30, 0.6, 0.55]]
+    r = rise(curve)
+    assert (r["start"], r["end"], r["rise"]) == (0.15, pytest.approx(0.5), pytest.approx(0.35))
+    assert r["in_se"] == pytest.approx(19.65, abs=0.01)
+    # greedy column: 0.3 -> 0.55, rise 0.25 over max(se(0.3) = 0.016325, se(0.55) = 0.017722) = 14.11
+    assert rise(curve, column=1)["in_se"] == pytest.approx(14.11, abs=0.01)
+    # a fall counts negative: 0.3 -> 0.2 over se(0.3) = -6.13
+    assert rise([[0, 0.0, 0.3], [10, 0.0, 0.2]], last=1)["in_se"] == pytest.approx(-6.13, abs=0.01)
+
+
+def test_the_search_keeps_one_record_per_setting_and_renders_it(tmp_path):
+    from benchmarks.rlvr_search import load, render, save
+
+    path = str(tmp_path / "search.json")
+    setting = {"seed": 0, "target": 0.27, "warm_check_every": 5, "lr": 1e-4, "prompts": 32, "samples": 8, "steps": 30}
+    setting["clip"] = 1.0
+    curve = [[0, 0.3, 0.15], [10, 0.4, 0.3], [20, 0.5, 0.45], [30, 0.6, 0.55]]
+    save(path, setting, {"steps": 325}, [[0, 0.3, 0.15]], 1.0)
+    save(path, {**setting, "lr": 3e-4}, {"steps": 325}, curve, 2.0)
+    save(path, setting, {"steps": 325}, curve, 3.0)  # a rerun of the first setting replaces its record
+    records = load(path)
+    assert [(r["setting"]["lr"], r["seconds"]) for r in records] == [(3e-4, 2.0), (1e-4, 3.0)]
+    row = render(records).splitlines()[3]
+    assert row == (
+        "| 0 | warm 0.27, checked every 5 (325) | 0.0001 | 32 × 8 | 30 | clip 1 | 0.150 → 0.500 (0.550) | +0.350 "
+        "| 19.6 | 0.300 → 0.550 | 3 |"
+    )
+
+
 def test_measures_compare_runs_on_the_eval_steps_they_share():
     # an async run that ended before its last eval (100): the comparison uses steps 25-75 for every run
     short = _run([(25, 10.0, 0.1), (50, 20.0, 0.2), (75, 30.0, 0.3)])
