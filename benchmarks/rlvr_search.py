@@ -16,8 +16,9 @@ linearly over ``--warmup`` steps (none unless given, as the tiny scripts) and th
 against the CLI: bf16, ZeRO, the vLLM sampler. Every ``--eval-every`` steps it prints the held-out accuracy,
 greedy and at the rollout temperature (mean of 4 passes over the 197 eval problems). With ``--out`` the setting,
 the warm start's record and that curve go into a JSON results file (one record per setting and seed; a rerun
-replaces its record); ``--render`` writes the file's table (:func:`render`) to the ``.md`` beside it.
-docs/rlvr_task.md quotes that table; the CLI runs there confirm its pick.
+replaces its record); ``--render`` writes the file's table (:func:`render`) to the ``.md`` beside it, and
+``--render-grid`` counts each run of a ``benchmarks.rlvr_grid`` results file the same way
+(:func:`render_grid_rises`, into its ``rises.md``). docs/rlvr_task.md quotes both; the CLI runs confirm the pick.
 """
 
 from __future__ import annotations
@@ -240,6 +241,24 @@ def render(records: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_grid_rises(grid: dict, start_key: str = "_warm_start_accuracy") -> str:
+    """The rise of each run of a ``benchmarks.rlvr_grid`` results file (its ``eval`` rows [step, s since launch, s
+    since the first step, accuracy]), counted as :func:`rise` counts it, from the file's start value (the warm
+    start's own eval): one row per configuration and seed."""
+    start = grid[start_key]
+    lines = ["| configuration | seed | start → end | rise | rise in eval SEs |", "|---|---|---|---|---|"]
+    for key, runs in grid.items():
+        if key.startswith("_"):
+            continue
+        for run in runs:
+            r = rise([[0, None, start]] + [[e[0], None, e[3]] for e in run["eval"]])
+            name = key.replace(" | ", ": ")
+            lines.append(
+                f"| {name} | {run['seed']} | {r['start']:.3f} → {r['end']:.3f} | {r['rise']:+.3f} | {r['in_se']:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="model seed (its warm start) and sampling seed")
@@ -264,7 +283,20 @@ def main() -> None:
     parser.add_argument(
         "--render", default=None, help="write this results file's table to the .md beside it, and stop"
     )
+    parser.add_argument(
+        "--render-grid",
+        default=None,
+        help="a benchmarks.rlvr_grid results.json: each run's rise, to rises.md beside it",
+    )
     a = parser.parse_args()
+    if a.render_grid:
+        with open(a.render_grid) as f:
+            grid = json.load(f)
+        md = os.path.join(os.path.dirname(a.render_grid), "rises.md")
+        with open(md, "w") as f:
+            f.write(render_grid_rises(grid))
+        print(f"wrote {md}")
+        return
     if a.render:
         md = os.path.splitext(a.render)[0] + ".md"
         with open(md, "w") as f:

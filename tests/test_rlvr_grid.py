@@ -126,6 +126,14 @@ def test_the_search_keeps_one_record_per_setting_and_renders_it(tmp_path):
     )
 
 
+def test_the_search_counts_a_grid_runs_rise_from_the_files_start_value():
+    from benchmarks.rlvr_search import render_grid_rises
+
+    # start 0.15 (the file's own), evals 0.3, 0.45, 0.55 -> end (0.45 + 0.55) / 2 = 0.5, +0.35, 19.6 as above
+    grid = {"_warm_start_accuracy": 0.15, "sync | none": [_run([(25, 1.0, 0.3), (50, 2.0, 0.45), (75, 3.0, 0.55)])]}
+    assert render_grid_rises(grid).splitlines()[2] == "| sync: none | 0 | 0.150 → 0.500 | +0.350 | 19.6 |"
+
+
 def test_measures_compare_runs_on_the_eval_steps_they_share():
     # an async run that ended before its last eval (100): the comparison uses steps 25-75 for every run
     short = _run([(25, 10.0, 0.1), (50, 20.0, 0.2), (75, 30.0, 0.3)])

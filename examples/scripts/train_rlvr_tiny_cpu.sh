@@ -5,7 +5,7 @@
 # pipeline; 2 cores, no GPU, no network; ~3-4 minutes.
 #   bash examples/scripts/train_rlvr_tiny_cpu.sh [extra flags...]
 # SEED picks the warm-started model (built once, ~15 s, then reused); STEPS the number of training steps of
-# PROMPTS prompts x 8 samples (200 x 32: every prompt seen once). Extra flags are passed through, e.g.
+# PROMPTS prompts x SAMPLES samples (200 x 32 x 8: every prompt seen once). Extra flags are passed through, e.g.
 # --train.async_enable --train.async_queue_size 8 --train.partial_rollout_enable --algo.tis_cap 2 to train the
 # same task asynchronously (docs/rlvr_grid.md compares the corrections).
 set -euo pipefail
@@ -16,6 +16,7 @@ source scripts/env_cpu.sh
 SEED=${SEED:-0}
 STEPS=${STEPS:-200}
 PROMPTS=${PROMPTS:-32}
+SAMPLES=${SAMPLES:-8}
 EVAL_STEPS=${EVAL_STEPS:-25}
 RUN_DIR=${RUN_DIR:-$ROOT/runs/tiny_rlvr/seed$SEED}
 WORLD=${WORLD:-$ROOT/runs/tiny_rlvr/world}
@@ -40,9 +41,9 @@ args=(
    --algo.advantage.estimator group_norm
    --algo.kl.init_coef 0
    --rollout.batch_size "$PROMPTS"
-   --rollout.n_samples_per_prompt 8
+   --rollout.n_samples_per_prompt "$SAMPLES"
    --rollout.micro_batch_size 64
-   --train.batch_size $((PROMPTS * 8))
+   --train.batch_size $((PROMPTS * SAMPLES))
    --train.micro_batch_size 64
    --rollout.max_new_tokens 6
    --data.max_len 64
