@@ -76,17 +76,25 @@ def _check_metric_channels(run_dir, log, scalars):
 def test_sync_run_writes_tensorboard_and_wandb(tiny_world, tmp_path):
     run_dir = str(tmp_path)
     # The engine as users get it by default (torch.compile), here and in the all-corrections run below.
+    # With a held-out eval and none of our controllers' features, the CLI runs upstream's sync controller with our
+    # eval schedule (trainer/ppo_trainer.py::PPOTrainerEvalImpl): every step evaluated, the final one included.
     args = tiny_args(tiny_world, run_dir, compiled=True, kv_cache_gb=None) + [
         "--logger.wandb.key",
         "offline-" + "0" * 32,
+        "--eval.dataset",
+        tiny_world["prompts"],
+        "--eval.steps",
+        "1",
     ]
     rc, log = run_cli(args, run_dir)
     _check_run(run_dir, rc, log, steps=2)
+    assert "PPOTrainerEvalImpl" in log
     assert "--vllm.sync_backend nccl -> reload" in log
     assert "Explicitly set (1.0/" in log  # vLLM CPU's KV cache at --vllm.cpu_kv_cache_gb's default, 1 GiB
     scalars = read_tensorboard(run_dir)
     diffs = [v for _, v in scalars["train/sync/canary_mean_abs_diff"]]
     assert diffs and max(diffs) < 0.5  # the first sync's canary: the engine matches the trainer
+    assert sorted(step for step, _ in scalars["eval/eval_default_pass1"]) == [1, 2]
     compared = [v for _, v in scalars["train/sync/checksum_tensors_compared"]]
     assert compared and min(compared) >= 25  # every tensor of the tiny model (q/k/v as parts), at every checked sync
     # wandb offline run folder with the history of our metrics

@@ -88,6 +88,12 @@ class PPOTrainerEvalImpl(SyncEvalMixin, _UpstreamPPOTrainer):
     """Upstream's ``PPOTrainer`` (its generator and maker) with our eval schedule: a run that evaluates and needs
     none of our controllers' features."""
 
+    def __init__(self, *args, **kwargs):
+        """Upstream's init, called through a copy of it (as :class:`PPOTrainerImpl` does): inherited as it is, its
+        zero-argument ``super()`` fails in the Ray actor with ``TypeError: super(type, obj)``, since upstream's module
+        name ``PPOTrainer`` is the remote wrapper, not the class, so the class travels to the actor by value."""
+        upstream.rebind(_UpstreamPPOTrainer.__init__)(self, *args, **kwargs)
+
 
 PPOTrainerEval = ray.remote(PPOTrainerEvalImpl)
 
