@@ -239,6 +239,12 @@ def fold_parts(sums: Dict[str, Checksum], other: Iterable[str]) -> Dict[str, Che
     return out
 
 
+def whole_replicas(module: torch.nn.Module, tp_size: int) -> int:
+    """How many consecutive TP workers hold the same shard of ``module``: 1 for a layer split over every rank, more
+    where vLLM built it with a smaller TP size than the engine's (its own ``tp_size``), all for a layer built whole."""
+    return max(1, tp_size // max(1, getattr(module, "tp_size", tp_size)))
+
+
 def qkv_layout(layer: torch.nn.Module, tp_size: int) -> Optional[List[Tuple[str, int, int]]]:
     """(part, rows in this worker's shard, replicas) for q, k and v of a vLLM ``QKVParallelLinear`` (any module with
     its ``num_heads``, ``num_kv_heads``, ``head_size`` and ``num_kv_head_replicas``), else None.
@@ -253,7 +259,7 @@ def qkv_layout(layer: torch.nn.Module, tp_size: int) -> Optional[List[Tuple[str,
     except AttributeError:
         return None
     v_head_size = getattr(layer, "v_head_size", None) or head_size
-    whole = max(1, tp_size // max(1, getattr(layer, "tp_size", tp_size)))  # ranks holding the same layer whole
+    whole = whole_replicas(layer, tp_size)
     return [
         ("q", heads * head_size, whole),
         ("k", kv_heads * head_size, whole * kv_replicas),
@@ -293,14 +299,14 @@ def engine_checksums(
         if prefix in tied_heads:
             sums = applied_head_checksum(module)
             if sums is not None:
-                applied[applied_name(prefix)] = sums, max(1, tp_size // max(1, getattr(module, "tp_size", tp_size)))
+                applied[applied_name(prefix)] = sums, whole_replicas(module, tp_size)
         layout = qkv_layout(module, tp_size)
         for pname, _ in module.named_parameters(recurse=False):
             full = f"{prefix}.{pname}" if prefix else pname
             if layout is not None:
                 qkv[full] = layout
             elif hasattr(module, "num_embeddings_per_partition"):
-                vocab[full] = max(1, tp_size // max(1, getattr(module, "tp_size", tp_size)))
+                vocab[full] = whole_replicas(module, tp_size)
     sums: Dict[str, Checksum] = {}
     replicas: Dict[str, int] = {}
     for name, param in model.named_parameters():
