@@ -26,7 +26,7 @@ cpu_compat.apply()
 
 from openrlhf_ess import config, upstream  # noqa: E402
 from openrlhf_ess.checks import preflight, resources  # noqa: E402
-from openrlhf_ess.cli import ray_start  # noqa: E402
+from openrlhf_ess.cli import auto_resume, ray_start  # noqa: E402
 from openrlhf_ess.cli.ray_start import WORKER_SETUP_HOOK, shm_account, watch_shared_memory  # noqa: E402, F401
 from openrlhf_ess.cli.triage import (  # noqa: E402, F401  (also reached as names of this module)
     ActorDied,
@@ -172,6 +172,7 @@ class _FitCall:
         if self._before_fit is not None:
             self._before_fit(self._groups or {})
         self._started.set()
+        auto_resume.mark_training_began()  # for a supervising --train.auto_resume process (cli/auto_resume.py)
         return self._method.remote(*args, **kwargs)
 
 
@@ -215,7 +216,8 @@ def train(args) -> None:
     from openrlhf_ess.trainer.ray.vllm_engine import create_vllm_engines
 
     # The engines are watched from their creation on (--vllm.watchdog_s; trainer/ray/engine_watchdog.py).
-    engines = WatchedEngines(create_vllm_engines(args), args.vllm.watchdog_s)
+    # Replacement (--vllm.max_restarts): the engine keeper is created with them (trainer/ray/engine_keeper.py).
+    engines = WatchedEngines(create_vllm_engines(args), args.vllm.watchdog_s, args.vllm.max_restarts)
     # Every trainer role draws its rendezvous port outside the ephemeral range (trainer/ray/rendezvous.py).
     classes = {
         **role_classes(),
@@ -264,11 +266,12 @@ def train(args) -> None:
         if isinstance(e, SelfCheckError):  # our message names the contract and the fix
             raise StartupFailed(str(e)) from e
         if engines.hung is not None:  # the watchdog stopped a hung engine: Ray's error is that engine's death
-            raise EngineHung(engines.hung) from e
+            raise EngineHung(with_failures(engines.hung, engines)) from e
         ours = classify_failure(e, args, started.is_set())
         if ours is None:
             raise
-        raise ours from e
+        told = with_failures(str(ours), engines)
+        raise (ours if told == str(ours) else type(ours)(told)) from e
     finally:
         import ray
 
@@ -280,6 +283,14 @@ def train(args) -> None:
         if watch is not None:  # one last look before Ray ends the processes: files made since the last look
             watch.sample()
         ray.shutdown()
+
+
+def with_failures(message: str, engines) -> str:
+    """``message``, followed by the engines' earlier failures and replacements in order (--vllm.max_restarts)."""
+    earlier = engines.failures()
+    if not earlier or earlier in message:
+        return message
+    return f"{message} Engine failures of this run, in order: {earlier}"
 
 
 class EngineHung(RunFailed):
@@ -316,6 +327,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     except BaseException:
         stopped = signals.received()
         if stopped is None:
+            error = sys.exc_info()[1]
+            if isinstance(error, Exception):  # not classified by _main (a traceback follows): say it to a supervisor
+                auto_resume.record_failure(type(error).__name__, exception_line(str(error)) or str(error)[:500])
             raise
         # The clean-up has run (train's and _main's finally blocks). Ray turns a SystemExit raised inside
         # ray.get into its own SystemExit(1), and the actors' ends raise as Ray shuts down: the exit code says
@@ -339,6 +353,15 @@ def _main(argv: Optional[List[str]]) -> None:
     except config.ConfigError as e:
         print(f"openrlhf-ess: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if args.train.auto_resume > 0:  # this process supervises the run in a child process (cli/auto_resume.py)
+        sys.exit(
+            auto_resume.supervise(
+                sys.argv[1:] if argv is None else argv,
+                args.train.auto_resume,
+                args.ckpt.path,
+                need_sidecar=resume.applies(args),
+            )
+        )
     for notice in notices:
         print(f"[openrlhf-ess] {notice}")
     try:  # one run per output folder (run_lock.py): held until this process exits, however it exits
@@ -360,6 +383,7 @@ def _main(argv: Optional[List[str]]) -> None:
 
         traceback.print_exception(e.__cause__)  # Ray's own report, in full
         print(f"openrlhf-ess: error: {e}", file=sys.stderr, flush=True)
+        auto_resume.record_failure(type(e).__name__, str(e))
         sys.exit(1)
     finally:
         run_lock.release_all(locks)  # Ray is shut down by now (train's finally); atexit covers the rest

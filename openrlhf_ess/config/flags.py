@@ -145,6 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sampling_mask_arguments(parser)
     add_routing_replay_arguments(parser)
     add_engine_arguments(parser)
+    add_auto_resume_arguments(parser)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -212,6 +213,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "is hung: the run stops naming it (engine, pid, what it was doing). Default %(default)g, above a large "
         "model's weight sync (it pauses partial rollouts); 0 = off, a hung engine is then waited for forever. "
         "docs/faults.md.",
+    )
+    group.add_argument(
+        "--vllm.max_restarts",
+        type=int,
+        default=0,
+        help="Replace a dead or hung vLLM engine up to N times in the run (all engines together): Ray restarts it on "
+        "its placement, it loads the last weight sync's weights and version before serving, its in-flight prompts "
+        "are generated again from the start, and its samples are trained only after the sync check passed on it. "
+        "Default 0 = upstream's fail fast. Synchronous training with --vllm.sync_backend reload; keeps one host copy "
+        "of the model in Ray's object store. docs/faults.md.",
     )
     group.add_argument(
         "--reward.failure_policy",
@@ -523,4 +534,18 @@ def add_routing_replay_arguments(parser: argparse.ArgumentParser) -> None:
         help="MoE models (qwen2_moe, qwen3_moe, olmoe, mixtral): the engines return the experts they chose per token "
         "and layer, and the trainer's forwards (pi_theta, pi_prox, pi_ref) replay them, removing route flips from "
         "the mismatch. Off by default; needs vLLM >= 0.29 on GPU. docs/routing_replay.md.",
+    )
+
+
+def add_auto_resume_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("openrlhf-ess: restarts after a death during training")
+    group.add_argument(
+        "--train.auto_resume",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Run the job in a child process and, when it dies during training (a DeepSpeed rank killed, OOM, a CUDA "
+        "error, a dead engine), start it again with --ckpt.load_enable from the newest complete checkpoint, up to N "
+        "times; never after bad input, a start-up failure or a stop signal. Needs --ckpt.save_steps. Cost: the steps "
+        "since the last checkpoint and a start-up per restart. Default 0 = off. docs/faults.md.",
     )

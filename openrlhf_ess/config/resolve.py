@@ -233,6 +233,7 @@ def needs_our_controllers(args: types.SimpleNamespace) -> bool:
         or args.rollout.top_k > 0  # upstream has no top-k flag: our generator passes it
         or routing_replay_on(args)  # the engine's routes ride on our generator's samples
         or resume_applies(args)
+        or args.vllm.max_restarts > 0  # a replaced engine is checked before its samples are trained
     )
 
 

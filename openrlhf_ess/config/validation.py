@@ -172,6 +172,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
         )
     if args.vllm.sync_backend == RELOAD_BACKEND and args.vllm.sync_with_ray:
         raise ConfigError("--vllm.sync_with_ray applies to nccl/gloo only; drop it with --vllm.sync_backend reload.")
+    _validate_replacement(args)
     if args.algo.ess_lr_enable:
         if not 0 < args.algo.ess_lr_floor <= 1:
             raise ConfigError(
@@ -200,6 +201,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
         )
     _validate_off_policy(args, notices)
     _validate_sampling_mask(args, notices)
+    _validate_auto_resume(args)
     if not on_cpu:
         _validate_gpu_path(args)
     return notices
@@ -566,4 +568,59 @@ def _validate_sampling_mask(args: types.SimpleNamespace, notices: List[str]) -> 
             "--algo.sampling_mask keep with --rollout.top_p 1 and --rollout.top_k -1: sampling is not truncated, so "
             "the mask only takes out the first response token's EOS ban (upstream samples it with min_tokens=1); "
             "every other token's support is the whole vocabulary."
+        )
+
+
+def _validate_replacement(args: types.SimpleNamespace) -> None:
+    """--vllm.max_restarts (trainer/ray/engine_keeper.py): what engine replacement is built and tested for."""
+    n = args.vllm.max_restarts
+    if n < 0:
+        raise ConfigError(f"--vllm.max_restarts must be >= 0 (0 = a dead engine stops the run), got {n}.")
+    if n == 0:
+        return
+    if not args.vllm.num_engines:
+        raise ConfigError("--vllm.max_restarts replaces vLLM engines: it needs --vllm.num_engines >= 1.")
+    why = None
+    if args.vllm.sync_backend != RELOAD_BACKEND:
+        why = (
+            f"with --vllm.sync_backend {args.vllm.sync_backend} a restarted engine would have to join the NCCL/gloo "
+            "group that upstream forms once, at start-up, with every engine and the trainer's rank 0; replacement "
+            "gives it the weights through Ray instead. Use --vllm.sync_backend reload"
+        )
+    elif args.train.async_enable:
+        why = (
+            "with --train.async_enable an engine can die while a weight sync has paused it and the trainer runs "
+            "ahead; replacement is built and tested for synchronous training only. Train synchronously"
+        )
+    elif getattr(args.vllm, "enable_sleep", False):
+        why = "a restarted engine starts awake, outside upstream's sleep/wake cycle. Drop --vllm.enable_sleep"
+    elif args.vllm.sync_check_tol <= 0:
+        why = (
+            "a replaced engine's samples are trained only after the weight sync check (checksums and canary) passed "
+            "on it, and --vllm.sync_check_tol 0 turns that check off. Leave --vllm.sync_check_tol at its default"
+        )
+    if why:
+        raise ConfigError(f"--vllm.max_restarts {n}: {why}, or --vllm.max_restarts 0 (a dead engine stops the run).")
+
+
+def _validate_auto_resume(args: types.SimpleNamespace) -> None:
+    """--train.auto_resume N (cli/auto_resume.py) restarts from the newest complete checkpoint: the run must write
+    checkpoints, with DeepSpeed's files (what the resume loads)."""
+    n = args.train.auto_resume
+    if n < 0:
+        raise ConfigError(
+            f"--train.auto_resume must be >= 0 (0 = off: a death during training stops the run), got {n}."
+        )
+    if n == 0:
+        return
+    if not 0 < args.ckpt.save_steps < float("inf"):
+        raise ConfigError(
+            f"--train.auto_resume {n} restarts the run from its newest complete checkpoint, but --ckpt.save_steps "
+            f"{args.ckpt.save_steps} writes none: add --ckpt.save_steps K (a checkpoint every K steps; a restart "
+            "repeats at most the K steps since the last one), or drop --train.auto_resume."
+        )
+    if args.ckpt.disable_ds:
+        raise ConfigError(
+            f"--train.auto_resume {n} with --ckpt.disable_ds: the step checkpoints then hold no DeepSpeed state, so "
+            "there is nothing to resume from. Drop --ckpt.disable_ds, or drop --train.auto_resume."
         )

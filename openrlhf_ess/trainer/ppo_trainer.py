@@ -41,6 +41,7 @@ class OffPolicyControllerMixin:
         controllers' MRO, tests/test_carried.py) with ``carried.balance_experiences``: upstream's balance drops
         the per-sample attributes (kept counts, routes) before the actors' ``append``."""
         self.experience_maker.weight_version = self.weight_version
+        replaced = self.check_replaced_engines()
         if self.args.train.dynamic_batch_enable:
             from openrlhf_ess.trainer import carried
 
@@ -48,10 +49,33 @@ class OffPolicyControllerMixin:
             status, global_step = balanced_train_step(self, rollout_samples, global_step)
         else:
             status, global_step = super().train_step(rollout_samples, global_step)
+        status.update(replaced)
         status.update(self.experience_maker.last_metrics)
         status.update(getattr(self, "prox_sync_metrics", {}))  # the last sync's (score-at-sync modes)
         self.prox_sync_metrics = {}
         return status, global_step
+
+    def check_replaced_engines(self) -> dict:
+        """--vllm.max_restarts (``trainer/ray/engine_keeper.py``): before a batch is trained, if an engine was replaced
+        since the last look, the sync check on every engine now (checksums and canary against the trainer, which
+        holds the weights the replaced engine loaded): a wrong load stops the run before its samples are trained.
+        Returns the check's metrics and the run's ``faults/*`` counts."""
+        if self.args.vllm.max_restarts <= 0:
+            return {}
+        from openrlhf_ess.trainer.ray import engine_keeper
+
+        keeper = engine_keeper.find()
+        metrics = {}
+        replaced = ray.get(keeper.unverified.remote())
+        if replaced:
+            metrics.update(ray.get(self.actor_model_group.async_run_method(method_name="check_replaced_engines"))[0])
+            print(
+                f"[openrlhf-ess] replaced vLLM engine(s) {replaced}: the weight sync check (checksums now, canary) "
+                f"passed on every engine at version {self.weight_version}; training on their samples",
+                flush=True,
+            )
+        metrics.update(ray.get(keeper.metrics.remote()))
+        return metrics
 
     def broadcast_to_vllm(self):
         """Wraps upstream's (and the async trainer's lock/pause around it): count the sync."""

@@ -160,6 +160,8 @@ class WeightSync:
                 pass
             if dedicated:
                 self._blob_for_dedicated = (None,)
+        elif self.args.vllm.max_restarts > 0:
+            self._push_kept(named, dedicated)
         else:
             engines, checks, kept = self.trainer.vllm_engines, self.args.vllm.sync_check_tol > 0, []
             for blob, last in weight_messages(named):
@@ -174,6 +176,42 @@ class WeightSync:
             if dedicated:
                 self._blob_for_dedicated = (kept,)
         torch_dist_barrier_and_cuda_sync()
+
+    def _push_kept(self, named, dedicated: bool) -> None:
+        """The reload sync with engine replacement on (rank 0; ``trainer/ray/engine_keeper.py``): each message is put
+        in Ray's object store once, the keeper is given them with the version they become *before* any engine loads
+        them (an engine restarted from now on loads this set), then every engine loads the whole set in one call
+        that Ray may send again to a restarted engine (``load_weights_from_refs``). Cost: the model's bytes in the
+        object store, kept until the next sync replaces them (a restart may need them until then)."""
+        from openrlhf_ess.trainer.ray import engine_keeper
+        from openrlhf_ess.trainer.ray.vllm_worker_wrap import weight_messages
+
+        refs, kept = [], []
+        for blob, _ in weight_messages(named):
+            refs.append(ray.put(blob))
+            if dedicated:
+                kept.append(blob)
+        ray.get(engine_keeper.find().put_weights.remote(self.trainer.weight_version + 1, refs))
+        checks = self.args.vllm.sync_check_tol > 0
+        loaded = ray.get([engine.load_weights_from_refs.remote(refs, checks) for engine in self.trainer.vllm_engines])
+        if checks:
+            self._loaded_engine_checksums = [(r["checksums"], r["checksum_seconds"]) for r in loaded]
+        if dedicated:
+            self._blob_for_dedicated = (kept,)
+
+    def check_replaced(self) -> Dict[str, float]:
+        """After an engine was replaced (all ranks; sync training, so the trainer holds the weights of the last
+        sync): the sync check on every engine now, with checksums taken now (a replaced engine's load-time ones
+        died with it) and the canary, before the batch it helped generate is trained. Stands for the check of the
+        last sync, which the next step would otherwise run. Returns its metrics."""
+        self._loaded_engine_checksums, self._to_check = None, False
+        self.metrics = {}
+        ours = self.trainer_checksums()
+        if torch.distributed.get_rank() == 0:
+            dtype = str(next(self.trainer.actor.model.module.parameters()).dtype)
+            self._check_checksums(ours, dtype)
+        self._check_canary()
+        return dict(self.metrics)
 
     # ---- the check -----------------------------------------------------------------------------------
 

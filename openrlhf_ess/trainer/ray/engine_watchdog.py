@@ -75,8 +75,8 @@ class EngineClock:
         return 0.0 if self.since is None else now - self.since
 
 
-def hang_message(clock: EngineClock, stalled_s: float, watchdog_s: float, now: float) -> str:
-    """Our message for a hung engine: which (index, pid), how long, what it was doing, what to do."""
+def hang_cause(clock: EngineClock, stalled_s: float, watchdog_s: float, now: float) -> str:
+    """What the watchdog saw of a hung engine: which (index, pid), how long, what it was doing."""
     tokens = clock.tokens or {}
     doing = f"{len(tokens)} request(s) in flight, {sum(tokens.values())} output token(s) streamed by them so far"
     if clock.silent_since is not None:
@@ -88,12 +88,19 @@ def hang_message(clock: EngineClock, stalled_s: float, watchdog_s: float, now: f
         what = f"had {doing}, and none of them streamed a token or finished for {stalled_s:.0f} s"
     return (
         f"the vLLM engine {clock.index} (RolloutRayActorImpl, pid {clock.pid}) hung: it {what}, past "
-        f"--vllm.watchdog_s {watchdog_s:g}. The watchdog stopped it (its process group with it) and the run stops "
-        "here (fail fast); its in-flight rollouts are lost, the checkpoints written so far are kept. Find the cause "
-        "in the engine's output (a deadlocked collective, a stuck kernel, a stopped process; py-spy dump --pid shows "
-        "where a live one waits), then restart; to continue from the last checkpoint pass --ckpt.load_enable. If the "
-        "engine was only slow (a weight sync that pauses partial rollouts for longer, a very long prefill), raise "
-        "--vllm.watchdog_s."
+        f"--vllm.watchdog_s {watchdog_s:g}"
+    )
+
+
+def hang_message(clock: EngineClock, stalled_s: float, watchdog_s: float, now: float) -> str:
+    """Our message for a hung engine that stops the run: :func:`hang_cause`, then what to do."""
+    return (
+        f"{hang_cause(clock, stalled_s, watchdog_s, now)}. The watchdog stopped it (its process group with it) "
+        "and the run stops here (fail fast); its in-flight rollouts are lost, the checkpoints written so far are "
+        "kept. Find the cause in the engine's output (a deadlocked collective, a stuck kernel, a stopped process; "
+        "py-spy dump --pid shows where a live one waits), then restart; to continue from the last checkpoint pass "
+        "--ckpt.load_enable. If the engine was only slow (a weight sync that pauses partial rollouts for longer, a "
+        "very long prefill), raise --vllm.watchdog_s; with --vllm.max_restarts N a hung engine is replaced instead."
     )
 
 
@@ -114,6 +121,8 @@ class EngineWatchdog:
         wait: Optional[Callable[[List[Any], float], List[Any]]] = None,
         get: Optional[Callable[[Any], Any]] = None,
         clock: Callable[[], float] = time.monotonic,
+        keeper: Any = None,
+        restart_engine: Optional[Callable[[Any], None]] = None,
     ):
         import ray
 
@@ -121,6 +130,10 @@ class EngineWatchdog:
         self.poll_s = poll_interval(self.watchdog_s) if poll_s is None else poll_s
         self.out, self.clock = out, clock
         self.stop_engine = stop_engine or (lambda engine: ray.kill(engine, no_restart=True))
+        # --vllm.max_restarts (engine_keeper.py): a hung engine is killed for Ray to restart while the budget lasts
+        self.keeper = keeper
+        self.restart_engine = restart_engine or (lambda engine: ray.kill(engine, no_restart=False))
+        self.replaced = 0  # hung engines killed for a restart
         self.ask = ask or (lambda engine: engine.watchdog_progress.remote())
         self.wait = wait or (lambda refs, timeout: ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
         self.get = get or ray.get
@@ -152,6 +165,9 @@ class EngineWatchdog:
 
     def tick(self) -> Optional[str]:
         """One look at every engine (waits up to ``poll_s`` for their answers); returns the message if one hung."""
+        if self.keeper is not None:  # an engine Ray is restarting is starting again: not timed until it answers
+            for index in self.get(self.keeper.restarting.remote()):
+                self.clocks[index] = EngineClock(index)
         for index, engine in enumerate(self.engines):
             if index not in self._pending and index not in self._gone:
                 self._pending[index] = (self.ask(engine), self.clock())
@@ -187,6 +203,14 @@ class EngineWatchdog:
         if not due or self.hung is not None:
             return None
         stalled_s, clock = max(due, key=lambda item: item[0])
+        if self.keeper is not None and self.get(self.keeper.budget_left.remote()) > 0:
+            cause = hang_cause(clock, stalled_s, self.watchdog_s, now)
+            self.out(f"engine watchdog: {cause}; stopping it for Ray to replace it (--vllm.max_restarts)")
+            self.get(self.keeper.stopping.remote(clock.index, cause))
+            self.restart_engine(self.engines[clock.index])
+            self.clocks[clock.index] = EngineClock(clock.index)  # its new instance is starting until it answers
+            self.replaced += 1
+            return None
         self.hung = hang_message(clock, stalled_s, self.watchdog_s, now)
         self.out(f"engine watchdog: {self.hung}")
         self.stop_engine(self.engines[clock.index])
@@ -203,16 +227,22 @@ def _actor_gone(exc: BaseException) -> bool:
 
 class WatchedEngines:
     """Wraps the run's ``create_vllm_engines`` so that the engines it returns are watched from then on
-    (``watchdog_s`` > 0; 0 leaves them unwatched). ``hung`` is the watchdog's message once it fired."""
+    (``watchdog_s`` > 0; 0 leaves them unwatched), and, with ``max_restarts`` > 0, creates the run's engine keeper
+    first (replacement). ``hung`` is the watchdog's message once it fired; :meth:`failures` the engines' failures
+    before the run's end, in order."""
 
-    def __init__(self, create: Callable[..., Any], watchdog_s: float):
-        self._create, self.watchdog_s = create, float(watchdog_s)
+    def __init__(self, create: Callable[..., Any], watchdog_s: float, max_restarts: int = 0):
+        self._create, self.watchdog_s, self.max_restarts = create, float(watchdog_s), int(max_restarts)
         self.watchdog: Optional[EngineWatchdog] = None
+        self.keeper: Any = None  # --vllm.max_restarts: the run's engine keeper (engine_keeper.py)
 
     def __call__(self, *args, **kwargs):
+        from openrlhf_ess.trainer.ray import engine_keeper
+
+        self.keeper = engine_keeper.create(self.max_restarts)  # before the engines: each tells it of its start
         engines = self._create(*args, **kwargs)
         if engines and self.watchdog_s > 0:
-            self.watchdog = EngineWatchdog(engines, self.watchdog_s).start()
+            self.watchdog = EngineWatchdog(engines, self.watchdog_s, keeper=self.keeper).start()
         return engines
 
     @property
@@ -222,3 +252,9 @@ class WatchedEngines:
     def stop(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+
+    def failures(self) -> Optional[str]:
+        """The engines' failures and replacements so far, in order (replacement on), or None."""
+        from openrlhf_ess.trainer.ray import engine_keeper
+
+        return engine_keeper.history_or_none(self.keeper)

@@ -231,6 +231,10 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
         if ours:
             self.trainer.load_checkpoint_state(ours)
 
+    def check_replaced_engines(self):
+        """Engine replacement (all ranks): the sync check on every engine now (``WeightSync.check_replaced``)."""
+        return self.trainer.weight_sync.check_replaced()
+
     def selfcheck_canary(self):
         """Start-up self-check (all ranks; ``selfcheck.py``): engines vs trainer on the canary before any sync."""
         return self.trainer.weight_sync.startup_canary()

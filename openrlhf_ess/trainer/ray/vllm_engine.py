@@ -12,6 +12,8 @@ import copy
 import functools
 import logging
 import os
+import sys
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from openrlhf_ess.runtime import cpu_compat
@@ -62,6 +64,8 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         fp32_lm_head: bool = False,
         report_routes: bool = False,
         selfcheck: bool = True,
+        engine_index: int = 0,
+        replaceable: bool = False,
         **kwargs,
     ):
         """Extends upstream's init.
@@ -85,8 +89,16 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         all: outside the tested (build, release) pairs a warning, or with ``selfcheck`` False an
         :class:`EngineContractError` (``engine_contract.check_engine_vllm``); :meth:`vllm_version` returns the report,
         which the driver logs (:func:`report_engine_versions`).
+        ``engine_index``, ``replaceable`` (--vllm.max_restarts > 0): this engine's place in the run's list, and
+        replacement on (``trainer/ray/engine_keeper.py``): the keeper is told of each start; a restart by Ray loads
+        the last sync's weights and version before serving, or, past the restart budget, raises (the actor stays
+        dead); a dead vLLM engine core ends this actor's process, so that Ray restarts it and sends its calls again.
         """
         from openrlhf_ess.trainer.engine_contract import check_engine_vllm, engine_vllm_report
+
+        self.engine_index, self._keeper, self._restart = engine_index, None, None
+        if replaceable:  # first of all: a restart's first seconds are visible to the watchdog (restarting)
+            self._restart = await self._hello_keeper()
 
         self._vllm_version = check_engine_vllm(engine_vllm_report(), selfcheck)
         (logger.warning if self._vllm_version["level"] == "warning" else logger.info)(self._vllm_version["line"])
@@ -137,6 +149,8 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
                 self.executor, kept_counts=report_kept_counts, routes=report_routes
             )
             self.llm.generate = self._tracking_stream(self.llm.generate)
+        if self._restart is not None:
+            await self._rejoin(self._restart)
 
     def _tracking_stream(self, generate):
         """Wrap AsyncLLM.generate: count streamed tokens per request and record their versions."""
@@ -381,6 +395,65 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             progress.switch(self.weight_version)
         return len(self._inflight)
 
+    # ---- replacement (--vllm.max_restarts; trainer/ray/engine_keeper.py) ----------------------------------------
+
+    async def _hello_keeper(self) -> Optional[Dict[str, Any]]:
+        """Tell the keeper this engine is starting; on a restart by Ray, what to load (None on a first start).
+        Raises past the run's restart budget, so that Ray leaves the actor dead and the run stops."""
+        import warnings
+
+        from openrlhf_ess.trainer.ray import engine_keeper
+
+        self._keeper = engine_keeper.find()
+        with warnings.catch_warnings():  # Ray deprecates the call's internals, not the call
+            warnings.simplefilter("ignore")
+            restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        told = await self._keeper.hello.remote(self.engine_index, os.getpid(), restarted)
+        if not told["allowed"]:
+            raise RuntimeError(
+                f"vLLM engine {self.engine_index} died again and is not replaced: --vllm.max_restarts "
+                f"{told['max_restarts']} restart(s) of the run are used. Engine failures in order: {told['history']}"
+            )
+        return told if restarted else None
+
+    async def _rejoin(self, told: Dict[str, Any]) -> None:
+        """A restarted engine, before it serves a call: load the last sync's weights and take its version."""
+        from openrlhf_ess.trainer.eval_clock import process_start_time
+
+        if told["refs"]:
+            await self.load_weights_from_refs(told["refs"])
+        self.weight_version = int(told["version"])
+        seconds = time.time() - process_start_time()
+        await self._keeper.rejoined.remote(self.engine_index, os.getpid(), self.weight_version, seconds)
+
+    async def load_weights_from_refs(self, refs: List[Any], with_checksums: bool = False) -> Dict[str, Any]:
+        """A whole reload sync in one call (replacement on): ``refs`` are its safetensors messages in Ray's object
+        store, all staged but the last, which loads. Idempotent, so Ray may send it again to a restarted engine."""
+        try:
+            for ref in refs[:-1]:
+                await self.stage_weights_from_safetensors(await ref)
+            return await self.load_weights_from_safetensors(await refs[-1], with_checksums)
+        except Exception as e:  # an engine core that died while idle is found here, at the sync after its death
+            self._exit_if_engine_dead(e)
+            raise
+
+    def _exit_if_engine_dead(self, error: BaseException) -> None:
+        """Replacement on: a dead vLLM engine core (``AsyncLLM.errored``) ends this actor's process, so that Ray
+        restarts the actor and sends its calls in flight again; off, the error reaches the caller (fail fast)."""
+        if self._keeper is None or not getattr(self.llm, "errored", False):
+            return
+        cause = f"its vLLM engine core died ({type(error).__name__})"
+        print(
+            f"[openrlhf-ess] vLLM engine {self.engine_index} (pid {os.getpid()}): {cause}: {error}; ending the actor "
+            "for Ray to replace it",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:  # the keeper names the cause in the failure's line; the actor ends either way
+            ray.get(self._keeper.stopping.remote(self.engine_index, cause), timeout=5)
+        finally:
+            os._exit(1)
+
     async def generate_responses(self, prompt, label, sampling_params, *args, **kwargs):
         """Wraps upstream's: with ``force_logprobs``, ask vLLM for the sampled token's log-prob (μ).
 
@@ -397,9 +470,14 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         elif self.force_logprobs and sampling_params.logprobs is None:
             sampling_params = copy.deepcopy(sampling_params)
             sampling_params.logprobs = 1
+        if self._keeper is not None:  # counts the calls Ray sends again after a restart (same task id)
+            self._keeper.started.remote(self.engine_index, ray.get_runtime_context().get_task_id())
         token = _EVALUATION.set(is_evaluation(sampling_params))
         try:
             return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
+        except Exception as e:
+            self._exit_if_engine_dead(e)
+            raise
         finally:
             _EVALUATION.reset(token)
 
@@ -470,12 +548,18 @@ class _WithEngineKwargs:
     keyword arguments such as the engine dtype, the KV-cache size and our worker extension.
     """
 
-    def __init__(self, actor_cls: Any, extra: Dict[str, Any]):
-        self._actor_cls, self._extra = actor_cls, extra
+    def __init__(self, actor_cls: Any, extra: Dict[str, Any], max_restarts: int = 0):
+        self._actor_cls, self._extra, self._max_restarts = actor_cls, extra, max_restarts
+        self._created = 0
 
     def options(self, **options):
+        if self._max_restarts > 0:  # replacement (trainer/ray/engine_keeper.py): Ray restarts it, resends its calls
+            options = {**options, "max_restarts": self._max_restarts, "max_task_retries": -1}
         bound = self._actor_cls.options(**options)
-        extra = self._extra
+        extra = dict(self._extra)
+        if self._max_restarts > 0:
+            extra.update(engine_index=self._created, replaceable=True)
+        self._created += 1
 
         class _Bound:
             @staticmethod
@@ -517,7 +601,9 @@ def engine_kwargs(args) -> Dict[str, Any]:
 def create_vllm_engines(args):
     """A ``create_vllm_engines`` with upstream's signature that builds our engine actor; each engine's vLLM version
     report reaches the driver's log once it has started (:func:`report_engine_versions`)."""
-    create = upstream.create_vllm_engines_with(_WithEngineKwargs(RolloutRayActor, engine_kwargs(args)))
+    create = upstream.create_vllm_engines_with(
+        _WithEngineKwargs(RolloutRayActor, engine_kwargs(args), max_restarts=args.vllm.max_restarts)
+    )
 
     @functools.wraps(create)
     def create_and_report(*positional, **named):

@@ -1,0 +1,176 @@
+"""Engine replacement (``--vllm.max_restarts N``): a dead or hung vLLM engine is restarted in place, given the
+trainer's current weights, and verified before anything it generated is trained (docs/faults.md §1).
+
+How, in four parts:
+
+- **Ray restarts the actor.** The engines are created with Ray's ``max_restarts=N`` and ``max_task_retries=-1``.
+  When an engine's actor process dies (killed, OOM, a segfault), or exits on purpose because its vLLM engine core
+  died (``RolloutRayActorImpl`` exits on vLLM's ``EngineDeadError``), or the watchdog kills a hung one
+  (``engine_watchdog.py``), Ray ends the process group (EngineCore and workers, their GPU memory with them), starts
+  the actor again on the same placement bundle with the same arguments, and sends it again every call that was in
+  flight on the dead one. The callers (upstream's generator, the weight sync) see no error: each prompt's
+  ``generate_responses`` runs once more on the new engine, from its first token (a half-made response dies with the
+  engine and is never trained), and returns once.
+- **The keeper holds the weights a new engine needs.** With replacement on, the reload sync puts its safetensors
+  messages in Ray's object store once (every engine loads the same objects) and gives them to this actor *before*
+  the engines load them, with the version they become. A restarted engine's ``__init__`` (Ray's
+  ``was_current_actor_reconstructed``) loads them, and the version, before it serves a call. Cost: one host copy of
+  the model in Ray's object store on the trainer's rank-0 node, kept from one sync to the next.
+- **The budget.** ``N`` restarts for the whole run, over all engines. A restart past it is refused in the new engine's
+  ``__init__``: the actor stays dead, its calls fail, and the run stops with every failure named in order.
+- **The check.** A replaced engine's samples are not trained until the weight sync check (per-tensor checksums taken
+  now, and the canary's log-probs against the trainer's forward) has passed on every engine (the controller asks
+  :meth:`EngineKeeperImpl.unverified` before each training step).
+
+The keeper also counts the calls that ran again on a new engine (a retried call keeps its Ray task id), for
+``faults/prompts_requeued``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+import ray
+
+# The keeper's name in the run's Ray namespace (each job has its own unless one is given, so runs that share a
+# cluster never share a keeper).
+KEEPER_NAME = "openrlhf-ess-engine-keeper"
+
+
+def restart_line(event: Dict[str, Any], requeued: bool = True) -> str:
+    """One failure and its replacement, for the log and the final error (with the calls sent again, when
+    ``requeued``: they are known only once they have started on the new engine)."""
+    cause = event.get("cause") or "its actor process died (killed, out of memory, or its vLLM engine core died)"
+    line = f"engine {event['engine']} (pid {event.get('old_pid', '?')}): {cause}"
+    if event.get("new_pid") is None:
+        return line + f"; not replaced: {event.get('refused', 'the restart failed')}"
+    line += f"; replaced by pid {event['new_pid']} at weight version {event['version']} in {event['seconds']:.1f} s"
+    return line + (f" ({event['requeued']} request(s) sent again)" if requeued else "")
+
+
+def history_text(events: List[Dict[str, Any]]) -> str:
+    """Every engine failure of the run, in order, numbered."""
+    return "; ".join(f"[{i}] {restart_line(e)}" for i, e in enumerate(events, 1))
+
+
+class EngineKeeperImpl:
+    """The run's record of its engines for replacement: the last sync's weights (object refs) and version, each
+    engine's pid, the restart budget, the failures in order, the calls sent again, and which replaced engines the
+    trainer has not verified yet. One small actor, called by the engines, rank 0's weight sync, the watchdog and the
+    controller; its calls are short, so it never holds a caller up."""
+
+    def __init__(self, max_restarts: int):
+        self.max_restarts = int(max_restarts)
+        self.version = 0
+        self.refs: List[Any] = []  # the last sync's safetensors messages, in order (the last one loads)
+        self.pids: Dict[int, int] = {}
+        self.events: List[Dict[str, Any]] = []  # failures in order (restart_line)
+        self.causes: Dict[int, str] = {}  # engine -> why it was stopped (the watchdog's message), until it is back
+        self.unchecked: List[int] = []  # replaced engines whose weights the trainer has not checked yet
+        self.seen_tasks: Dict[int, set] = {}  # engine -> Ray task ids of the calls started on it (any instance)
+        self.requeued = 0
+
+    # ---- weights ----------------------------------------------------------------------------------------------
+
+    def put_weights(self, version: int, refs: List[Any]) -> None:
+        """Rank 0's reload sync, before the engines load them: the messages of ``version`` (their refs, in a list
+        so Ray hands them over as refs)."""
+        self.version, self.refs = int(version), list(refs)
+
+    # ---- engines ----------------------------------------------------------------------------------------------
+
+    def hello(self, engine: int, pid: int, reconstructed: bool) -> Dict[str, Any]:
+        """An engine's ``__init__`` starts (first start or restart). A restart within the budget is told the weights
+        to load and their version; past it, it is told why not (it raises, and Ray leaves the actor dead)."""
+        if not reconstructed:
+            self.pids[engine] = pid
+            return {"allowed": True}
+        old_pid = self.pids.get(engine)
+        self.pids[engine] = pid
+        event = {"engine": engine, "old_pid": old_pid, "cause": self.causes.pop(engine, None), "new_pid": None}
+        self.events.append(event)
+        used = sum(1 for e in self.events if e.get("new_pid") is not None or e.get("restarting"))
+        if used >= self.max_restarts:
+            event["refused"] = f"--vllm.max_restarts {self.max_restarts} restart(s) already used"
+            return {"allowed": False, "history": history_text(self.events), "max_restarts": self.max_restarts}
+        event.update(restarting=True, started=time.time())
+        return {"allowed": True, "version": self.version, "refs": self.refs}
+
+    def rejoined(self, engine: int, pid: int, version: int, seconds: float) -> str:
+        """A restarted engine holds ``version`` and is about to serve: its event is complete."""
+        event = next(e for e in reversed(self.events) if e["engine"] == engine and e.get("restarting"))
+        event.update(new_pid=pid, version=int(version), seconds=float(seconds), requeued=0, restarting=False)
+        self.unchecked.append(engine)
+        line = restart_line(event, requeued=False)
+        print(f"[openrlhf-ess] engine replaced: {line}", flush=True)
+        return line
+
+    def started(self, engine: int, task_id: str) -> None:
+        """A ``generate_responses`` call started on ``engine``. A task id seen before on it is a call Ray sent again
+        after a restart: counted against the engine's last replacement."""
+        seen = self.seen_tasks.setdefault(engine, set())
+        if task_id in seen:
+            self.requeued += 1
+            for event in reversed(self.events):
+                if event["engine"] == engine and "requeued" in event:
+                    event["requeued"] += 1
+                    break
+        else:
+            seen.add(task_id)
+
+    def stopping(self, engine: int, cause: str) -> None:
+        """Why an engine is about to go (the watchdog kills a hung one; an engine whose core died ends itself), for
+        its failure's line."""
+        self.causes[engine] = cause
+
+    # ---- the trainer and the driver ---------------------------------------------------------------------------
+
+    def budget_left(self) -> int:
+        return self.max_restarts - sum(1 for e in self.events if e.get("new_pid") is not None or e.get("restarting"))
+
+    def unverified(self) -> List[int]:
+        """Replaced engines the trainer has not checked since; the list is emptied (the caller checks them now)."""
+        out, self.unchecked = sorted(set(self.unchecked)), []
+        return out
+
+    def restarting(self) -> List[int]:
+        """Engines whose restart has begun (their new ``__init__`` said hello) and not finished."""
+        return [e["engine"] for e in self.events if e.get("restarting")]
+
+    def metrics(self) -> Dict[str, float]:
+        done = [e for e in self.events if e.get("new_pid") is not None]
+        return {
+            "faults/engine_restarts": float(len(done)),
+            "faults/restart_seconds": float(sum(e["seconds"] for e in done)),
+            "faults/prompts_requeued": float(self.requeued),
+        }
+
+    def history(self) -> List[Dict[str, Any]]:
+        return list(self.events)
+
+
+EngineKeeper = ray.remote(num_cpus=0)(EngineKeeperImpl)
+
+
+def create(max_restarts: int):
+    """The run's keeper (driver, before the engines are created), or None with replacement off."""
+    if max_restarts <= 0:
+        return None
+    return EngineKeeper.options(name=KEEPER_NAME).remote(max_restarts)
+
+
+def find() -> Any:
+    """The run's keeper, from an actor of the run (an engine, rank 0)."""
+    return ray.get_actor(KEEPER_NAME)
+
+
+def history_or_none(keeper, timeout_s: float = 5.0) -> Optional[str]:
+    """The run's failures so far, for the driver's final error; None when there were none or the keeper is gone."""
+    if keeper is None:
+        return None
+    try:
+        events = ray.get(keeper.history.remote(), timeout=timeout_s)
+    except Exception:
+        return None
+    return history_text(events) if events else None

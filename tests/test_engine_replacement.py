@@ -1,0 +1,344 @@
+"""Engine replacement (--vllm.max_restarts; openrlhf_ess/trainer/ray/engine_keeper.py): the keeper's record and
+budget, the flag's pre-flight, the watchdog's restart; on the real stack, an engine actor and an engine core killed
+mid-rollout are replaced, every prompt is trained exactly once, and one failure past the budget stops the run with
+every failure named."""
+
+import collections
+import json
+import os
+import re
+import types
+
+import pytest
+
+from openrlhf_ess.config import ConfigError
+from openrlhf_ess.trainer.ray import engine_keeper, engine_watchdog
+
+# ---------------------------------------------------------------- the keeper's record (no Ray: its class as is)
+
+
+def _keeper(n=2):
+    return engine_keeper.EngineKeeperImpl(n)
+
+
+def test_a_restart_gets_the_last_syncs_weights_and_version_within_the_budget():
+    keeper = _keeper(2)
+    assert keeper.hello(0, 100, reconstructed=False) == {"allowed": True}
+    keeper.put_weights(3, ["ref-a", "ref-b"])
+    told = keeper.hello(0, 200, reconstructed=True)
+    assert told == {"allowed": True, "version": 3, "refs": ["ref-a", "ref-b"]}
+    assert keeper.restarting() == [0] and keeper.budget_left() == 1
+    line = keeper.rejoined(0, 200, 3, 31.5)
+    assert line == (
+        "engine 0 (pid 100): its actor process died (killed, out of memory, or its vLLM engine core died); replaced "
+        "by pid 200 at weight version 3 in 31.5 s"
+    )
+    assert keeper.restarting() == [] and keeper.unverified() == [0] and keeper.unverified() == []
+
+
+def test_calls_sent_again_are_counted_by_their_task_id_against_the_last_replacement():
+    keeper = _keeper(2)
+    keeper.hello(1, 10, reconstructed=False)
+    for task in ("t1", "t2", "t3"):
+        keeper.started(1, task)
+    keeper.hello(1, 11, reconstructed=True)
+    keeper.rejoined(1, 11, 0, 5.0)
+    keeper.started(1, "t2")  # sent again by Ray: same task id
+    keeper.started(1, "t3")
+    keeper.started(1, "t4")  # a new call
+    assert keeper.metrics() == {
+        "faults/engine_restarts": 1.0,
+        "faults/restart_seconds": 5.0,
+        "faults/prompts_requeued": 2.0,
+    }
+    assert keeper.history()[0]["requeued"] == 2
+
+
+def test_a_restart_past_the_budget_is_refused_and_every_failure_is_named_in_order():
+    keeper = _keeper(1)
+    keeper.hello(0, 100, reconstructed=False)
+    keeper.hello(1, 101, reconstructed=False)
+    keeper.stopping(1, "the vLLM engine 1 (RolloutRayActorImpl, pid 101) hung: it had 2 request(s) in flight")
+    keeper.hello(1, 201, reconstructed=True)
+    keeper.rejoined(1, 201, 2, 12.0)
+    told = keeper.hello(0, 300, reconstructed=True)
+    assert told["allowed"] is False and told["max_restarts"] == 1
+    assert told["history"] == (
+        "[1] engine 1 (pid 101): the vLLM engine 1 (RolloutRayActorImpl, pid 101) hung: it had 2 request(s) in "
+        "flight; replaced by pid 201 at weight version 2 in 12.0 s (0 request(s) sent again); "
+        "[2] engine 0 (pid 100): its actor process died (killed, out of memory, or its vLLM engine core died); not "
+        "replaced: --vllm.max_restarts 1 restart(s) already used"
+    )
+    assert keeper.budget_left() == 0
+
+
+# ---------------------------------------------------------------- pre-flight
+
+
+def _args(**over):
+    vllm = dict(max_restarts=1, num_engines=1, sync_backend="reload", sync_check_tol=0.05, enable_sleep=False)
+    vllm.update(over.pop("vllm", {}))
+    train = dict(async_enable=False)
+    train.update(over.pop("train", {}))
+    return types.SimpleNamespace(vllm=types.SimpleNamespace(**vllm), train=types.SimpleNamespace(**train))
+
+
+@pytest.mark.parametrize(
+    "over, named",
+    [
+        ({"vllm": {"max_restarts": -1}}, "--vllm.max_restarts must be >= 0"),
+        ({"vllm": {"num_engines": 0}}, "it needs --vllm.num_engines >= 1"),
+        ({"vllm": {"sync_backend": "nccl"}}, "Use --vllm.sync_backend reload, or --vllm.max_restarts 0"),
+        ({"train": {"async_enable": True}}, "Train synchronously, or --vllm.max_restarts 0"),
+        ({"vllm": {"enable_sleep": True}}, "Drop --vllm.enable_sleep, or --vllm.max_restarts 0"),
+        ({"vllm": {"sync_check_tol": 0.0}}, "Leave --vllm.sync_check_tol at its default, or --vllm.max_restarts 0"),
+    ],
+)
+def test_replacement_outside_what_it_is_built_for_is_refused_naming_the_flag(over, named):
+    from openrlhf_ess.config.validation import _validate_replacement
+
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        _validate_replacement(_args(**over))
+    _validate_replacement(_args())  # sync, reload, check on: accepted
+    _validate_replacement(_args(vllm={"max_restarts": 0, "sync_backend": "nccl"}))  # off: nothing to check
+
+
+def test_the_flag_defaults_to_upstreams_fail_fast():
+    from openrlhf_ess.cli.train_ppo_ray import build_parser
+
+    action = next(a for a in build_parser()._actions if a.dest == "vllm.max_restarts")
+    assert action.default == 0
+
+
+# ---------------------------------------------------------------- the watchdog restarts a hung engine
+
+
+class _FakeKeeper:
+    """Stands in for the keeper actor's handle: ``.method.remote(...)`` returns the answer itself."""
+
+    def __init__(self, budget):
+        self.budget, self.causes, self.restarting_now = budget, [], []
+
+        class _Call:
+            def __init__(call, fn):
+                call.remote = fn
+
+        self.budget_left = _Call(lambda: self.budget)
+        self.stopping = _Call(lambda index, cause: self.causes.append((index, cause)))
+        self.restarting = _Call(lambda: list(self.restarting_now))
+
+
+def _stalled_watchdog(keeper, restarted, stopped):
+    """One engine with one request in flight that never streams: the watchdog's calls answered at once."""
+    now = [0.0]
+    dog = engine_watchdog.EngineWatchdog(
+        ["engine-0"],
+        watchdog_s=10.0,
+        poll_s=1.0,
+        out=lambda msg: None,
+        stop_engine=stopped.append,
+        restart_engine=restarted.append,
+        ask=lambda engine: ("ask", engine),
+        wait=lambda refs, timeout: list(refs),
+        get=lambda ref: {"pid": 7, "tokens": {"r1": 3}} if isinstance(ref, tuple) else ref,
+        clock=lambda: now[0],
+        keeper=keeper,
+    )
+    return dog, now
+
+
+def test_a_hung_engine_is_restarted_while_the_budget_lasts_then_stops_the_run():
+    keeper, restarted, stopped = _FakeKeeper(budget=1), [], []
+    dog, now = _stalled_watchdog(keeper, restarted, stopped)
+    for t in range(0, 12):
+        now[0] = float(t)
+        dog.tick()
+    assert restarted == ["engine-0"] and stopped == [] and dog.hung is None and dog.replaced == 1
+    assert keeper.causes[0][0] == 0 and "hung: it had 1 request(s) in flight" in keeper.causes[0][1]
+    # the new instance is timed from its first answer: 10 s more without progress before the next verdict
+    keeper.budget = 0
+    for t in range(12, 21):  # restarted at 10 s, first answer of the new instance at 11 s
+        now[0] = float(t)
+        dog.tick()
+    assert dog.hung is None
+    now[0] = 21.0
+    dog.tick()
+    assert stopped == ["engine-0"] and dog.hung is not None and "--vllm.max_restarts N" in dog.hung
+
+
+def test_an_engine_that_ray_is_restarting_is_not_timed():
+    keeper, restarted, stopped = _FakeKeeper(budget=0), [], []
+    dog, now = _stalled_watchdog(keeper, restarted, stopped)
+    for t in range(0, 9):
+        now[0] = float(t)
+        dog.tick()
+    keeper.restarting_now = [0]  # its new __init__ said hello: its clock starts again at its first answer
+    for t in range(9, 19):
+        now[0] = float(t)
+        dog.tick()
+    assert dog.hung is None and stopped == []
+
+
+# ---------------------------------------------------------------- the real stack
+
+# A reward file for --reward.remote_url (upstream calls it inside the engine actor). It kills the engine at points
+# read from the run's own progress on disk, not the clock: the audit trail's batch_v0.pt (step 1's batch made: the
+# next reward calls are the second rollout's) and batch_v1.pt (the third rollout's). Each kill happens only while
+# requests are in flight in the engine's vLLM (found by the garbage collector: test-only), once (a marker file, as
+# the restarted engine imports this file again). Kind "actor": SIGKILL of the engine actor's own process (this one);
+# "core": SIGKILL of its vLLM engine core (the processes below it), the actor lives on; "stop": SIGSTOP of them (a
+# stuck kernel or a deadlock as the engine's own processes see it: only the watchdog finds it).
+KILL_ENGINE_REWARD = """
+import gc
+import os
+import signal
+
+import psutil
+import torch
+
+KILLS = {kills!r}  # [(the audit file that must exist, kind)]
+
+
+_ENGINE = []
+
+
+def _inflight():
+    if not _ENGINE:  # found once, at the first call (a search of the heap takes longer than a tiny rollout)
+        _ENGINE.extend(obj for obj in gc.get_objects() if type(obj).__name__ == "AsyncLLM")
+    return _ENGINE[0].output_processor.get_num_unfinished_requests() if _ENGINE else 0  # 0: pre-flight's dry call
+
+
+def reward_func(queries, prompts, labels):
+    _inflight()
+    for n, (after, kind) in enumerate(KILLS):
+        marker = os.path.join({run_dir!r}, f"killed{{n}}")
+        if os.path.exists(marker) or not os.path.exists(os.path.join({audit!r}, after)):
+            continue
+        inflight = _inflight()
+        with open(os.path.join({run_dir!r}, "looks"), "a") as f:  # what each look found, for the test's report
+            f.write(f"{{n}} {{os.getpid()}} {{inflight}}\\n")
+        if not inflight:
+            break
+        below = [p for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())]
+        with open(marker, "w") as f:
+            f.write(f"{{kind}} {{os.getpid()}} {{inflight}} " + " ".join(str(p.pid) for p in below))
+        if kind == "actor":
+            os.kill(os.getpid(), signal.SIGKILL)
+        for p in below:
+            p.send_signal(signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
+        break
+    rewards = torch.tensor([0.5] * len(queries))
+    return {{"rewards": rewards, "scores": rewards, "extra_logs": {{}}}}
+"""
+
+N_PROMPTS = 24  # three steps of 8 prompts (4 samples each)
+
+
+def _replacement_run(tiny_world, tmp_path, max_restarts: int, kills, flags=()):
+    """The tiny run (three steps) with ``kills`` [(audit file, kind)] made by its reward function (above)."""
+    from tests.helpers.e2e import tiny_args
+    from tests.helpers.faults import run_cli_tracked
+
+    run_dir, audit = str(tmp_path), str(tmp_path / "audit")
+    reward = os.path.join(run_dir, "reward.py")
+    with open(reward, "w") as f:
+        f.write(KILL_ENGINE_REWARD.format(kills=kills, run_dir=run_dir, audit=audit))
+    args = tiny_args(tiny_world, run_dir, steps_prompts=N_PROMPTS)
+    args[args.index("--reward.remote_url") + 1] = reward
+    # responses of up to 48 tokens end at different steps, so some are still generating when the first are scored
+    args[args.index("--rollout.max_new_tokens") + 1] = "48"
+    args[args.index("--data.max_len") + 1] = "96"
+    args += ["--vllm.max_restarts", str(max_restarts), "--algo.prox_audit_dir", audit, *flags]
+    run = run_cli_tracked(args, run_dir, timeout=900)
+    looks = os.path.join(run_dir, "looks")
+    assert os.path.exists(looks), "the reward never looked for a kill point: " + run.log[-3000:]
+    made = [os.path.join(run_dir, f"killed{n}") for n in range(len(kills))]
+    assert all(map(os.path.exists, made)), (open(looks).read(), run.log[-3000:])
+    return run, audit, [open(path).read().split() for path in made]
+
+
+def _step_metrics(log: str) -> dict:
+    """The last 'Global step' line's metrics."""
+    lines = [line for line in log.splitlines() if "Global step" in line]
+    assert lines, log[-3000:]
+    return {k: float(v) for k, v in re.findall(r"'(faults/[a-z_]+)': ([0-9.]+)", lines[-1])}
+
+
+@pytest.mark.real_stack
+@pytest.mark.stack
+def test_an_engine_killed_mid_rollout_twice_is_replaced_and_every_prompt_is_trained_once(tiny_world, tmp_path):
+    """--vllm.max_restarts 2: the engine actor is SIGKILLed in the second rollout and its vLLM engine core in the
+    third, each with requests in flight. Both are replaced (new pids, the last sync's version), the run completes
+    its three steps with exit 0, the sync check passed on the new engines before their samples were trained, the
+    audit trail shows each prompt trained exactly once (4 samples), calls were sent again, and no process is left."""
+    from transformers import AutoTokenizer
+
+    from tests.test_resume import _prompt_texts, _trained
+
+    kills = [("batch_v0.pt", "actor"), ("batch_v1.pt", "core")]
+    run, audit, killed = _replacement_run(tiny_world, tmp_path, max_restarts=2, kills=kills)
+    assert not run.timed_out and run.rc == 0, run.log[-6000:]
+    (kind0, pid0, inflight0, *_), (kind1, pid1, inflight1, *cores) = killed
+    assert (kind0, kind1) == ("actor", "core") and int(inflight0) > 0 and int(inflight1) > 0 and cores, killed
+    replaced = [line for line in run.log.splitlines() if "engine replaced: engine 0" in line]
+    assert len(replaced) == 2, run.log[-6000:]
+    assert f"(pid {pid0}): its actor process died" in replaced[0] and "at weight version 1 " in replaced[0]
+    assert f"(pid {pid1}): its vLLM engine core died (EngineDeadError)" in replaced[1], replaced
+    assert "at weight version 2 " in replaced[1], replaced
+    checked = [line for line in run.log.splitlines() if "the weight sync check (checksums now, canary)" in line]
+    assert len(checked) == 2, run.log[-6000:]
+    faults = _step_metrics(run.log)
+    assert faults["faults/engine_restarts"] == 2 and faults["faults/prompts_requeued"] >= 2, faults
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
+    prompts = _prompt_texts(tiny_world["prompts"], N_PROMPTS)
+    trained = _trained(audit, tokenizer, list(prompts))
+    assert trained == collections.Counter({p: 4 * n for p, n in prompts.items()}), trained
+    assert not run.leftovers, run.leftovers
+    assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
+    seconds = [float(s) for s in re.findall(r"in ([0-9.]+) s \(", " ".join(replaced))]
+    print(f"restart seconds: {seconds}; requeued {faults['faults/prompts_requeued']:.0f}")
+    print(json.dumps({"restart_seconds": seconds}))
+
+
+@pytest.mark.real_stack
+def test_a_hang_past_the_budget_stops_the_run_naming_every_failure(tiny_world, tmp_path):
+    """--vllm.max_restarts 1 --vllm.watchdog_s 10: the engine actor is SIGKILLed in the second rollout (replaced),
+    then its vLLM processes are SIGSTOPped in the third. The watchdog finds the hang within its bound and a look, the
+    budget is used, so the run stops with exit 1: our one message names the hung engine (its new pid, its requests
+    in flight) and, in order, the earlier failure and its replacement; no process is left (the stopped ones too)."""
+    kills = [("batch_v0.pt", "actor"), ("batch_v1.pt", "stop")]
+    run, _, killed = _replacement_run(tiny_world, tmp_path, 1, kills, flags=["--vllm.watchdog_s", "10"])
+    assert not run.timed_out and run.rc == 1, run.log[-6000:]
+    (_, pid0, *_), (_, pid1, inflight1, *stopped) = killed
+    assert int(inflight1) > 0 and stopped, killed
+    ours = [line for line in run.log.splitlines() if line.startswith("openrlhf-ess: error:")]
+    assert len(ours) == 1, run.log[-6000:]
+    assert ours[0].startswith(f"openrlhf-ess: error: the vLLM engine 0 (RolloutRayActorImpl, pid {pid1}) hung"), ours
+    assert "request(s) in flight" in ours[0] and "--vllm.watchdog_s 10" in ours[0], ours
+    assert f"in order: [1] engine 0 (pid {pid0}): its actor process died" in ours[0], ours
+    assert f"replaced by pid {pid1} at weight version 1 " in ours[0], ours
+    stopped_at = os.stat(os.path.join(str(tmp_path), "killed1")).st_mtime
+    assert run.ended_at - stopped_at < 10 + 1 + 30, run.ended_at - stopped_at
+    assert not run.leftovers, run.leftovers
+    assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
+
+
+@pytest.mark.real_stack
+@pytest.mark.slow
+def test_a_hung_engine_within_the_budget_is_replaced_and_the_run_completes(tiny_world, tmp_path):
+    """--vllm.max_restarts 1 --vllm.watchdog_s 10: the engine's vLLM processes are SIGSTOPped in the second
+    rollout; the watchdog stops the engine for Ray to replace it, and the run completes its steps, each prompt
+    trained once."""
+    from transformers import AutoTokenizer
+
+    from tests.test_resume import _prompt_texts, _trained
+
+    kills = [("batch_v0.pt", "stop")]
+    run, audit, killed = _replacement_run(tiny_world, tmp_path, 1, kills, flags=["--vllm.watchdog_s", "10"])
+    assert not run.timed_out and run.rc == 0, run.log[-6000:]
+    assert "stopping it for Ray to replace it (--vllm.max_restarts)" in run.log, run.log[-6000:]
+    assert f"engine replaced: engine 0 (pid {killed[0][1]}): the vLLM engine 0" in run.log, run.log[-6000:]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
+    prompts = _prompt_texts(tiny_world["prompts"], N_PROMPTS)
+    assert _trained(audit, tokenizer, list(prompts)) == collections.Counter({p: 4 * n for p, n in prompts.items()})
+    assert not run.leftovers, run.leftovers
