@@ -20,8 +20,9 @@ Each fault is switched on by its environment variable; unset, the run is the CLI
   run's progress that came ~1 s late once found it already past its last step's save). ``sidecar:<step>``: after
   every rank's DeepSpeed save of that step, before our resume sidecar is written; ``audit:<version>``: right after
   the trainer wrote that batch to ``--algo.prox_audit_dir``, before its update. A signal ends the wait (Ray's
-  worker handler raises SystemExit inside the sleep); not stopped within :data:`HOLD_LIMIT_S`, the run fails
-  naming the variable, never a silent hang.
+  worker handler raises SystemExit inside the sleep), or the file :data:`HOLD_RELEASE_ENV` names, once it exists (the
+  run goes on: a test that killed one of the run's processes at the point lets the run meet the death); not stopped
+  within :data:`HOLD_LIMIT_S`, the run fails naming the variable, never a silent hang.
 
 Use: ``python -m tests.helpers.fault_injection openrlhf_ess.cli.train_ppo_ray ARGS`` with the variables set
 (``tests.helpers.e2e.run_cli(..., launcher=LAUNCHER)``, ``tests.helpers.faults.run_cli_tracked(..., launcher=
@@ -53,8 +54,9 @@ CORRUPT_ENV = "OPENRLHF_ESS_TEST_FAULT_CORRUPT_WEIGHT_LOAD"
 PERTURB_ENV = "OPENRLHF_ESS_TEST_FAULT_PERTURB_WEIGHT_LOAD"
 FINAL_SAVE_ENV = "OPENRLHF_ESS_TEST_FAULT_FINAL_SAVE"
 HOLD_ENV = "OPENRLHF_ESS_TEST_FAULT_HOLD_AT"
+HOLD_RELEASE_ENV = "OPENRLHF_ESS_TEST_FAULT_HOLD_RELEASE"
 STALE_TIED_HEAD_ENV = "OPENRLHF_ESS_TEST_FAULT_STALE_TIED_HEAD"
-ENVS = (CORRUPT_ENV, PERTURB_ENV, FINAL_SAVE_ENV, HOLD_ENV, STALE_TIED_HEAD_ENV)
+ENVS = (CORRUPT_ENV, PERTURB_ENV, FINAL_SAVE_ENV, HOLD_ENV, HOLD_RELEASE_ENV, STALE_TIED_HEAD_ENV)
 HOLD_POINTS = ("sidecar", "audit")
 HOLD_LIMIT_S = 600.0
 PERTURBATION = 1e-3
@@ -76,17 +78,23 @@ MARKER = "_fault_injection"  # set on the product functions this launcher wrappe
 
 def hold_at(point: str, n: int, limit_s: float = HOLD_LIMIT_S, sleep: Callable[[float], None] = time.sleep) -> None:
     """With ``HOLD_ENV=<point>:<n>``, at that point: wait until the process is stopped (a signal ends the wait: Ray's
-    worker handler raises SystemExit inside ``sleep``). Not stopped within ``limit_s``: an error naming the variable.
-    Another point or ``n``, or the variable unset: returns at once; a value of another form: an error, not a hold
-    that silently never comes."""
+    worker handler raises SystemExit inside ``sleep``) or until the file ``HOLD_RELEASE_ENV`` names exists. Not
+    stopped within ``limit_s``: an error naming the variable. Another point or ``n``, or the variable unset: returns
+    at once; a value of another form: an error, not a hold that silently never comes."""
     held = os.environ.get(HOLD_ENV, "")
     if held and not re.fullmatch(rf"(?:{'|'.join(HOLD_POINTS)}):\d+", held):
         raise ValueError(f"{HOLD_ENV}={held!r}: expected <point>:<n>, point one of {', '.join(HOLD_POINTS)}")
     if held != f"{point}:{n}":
         return
+    release = os.environ.get(HOLD_RELEASE_ENV)
+    if release and os.path.exists(release):
+        return
     print(f"[fault_injection] {HOLD_ENV}={held}: holding the run here until it is stopped", flush=True)
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
+        if release and os.path.exists(release):
+            print(f"[fault_injection] {HOLD_ENV}={held}: released ({release} exists)", flush=True)
+            return
         sleep(0.05)
     raise RuntimeError(f"{HOLD_ENV}={held}: the run was held {limit_s:.0f} s and not stopped; unset it (tests only)")
 
