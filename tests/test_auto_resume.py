@@ -335,6 +335,35 @@ def test_a_signal_to_the_supervisor_is_forwarded_and_never_restarted(tmp_path, m
         assert 1.0 <= seconds < 20, seconds  # SIGKILLed after the grace (the child would sleep 30 s)
 
 
+def test_a_killed_supervisor_stops_its_run(tmp_path):
+    """SIGKILL to the supervisor (nothing it can forward): its child, in a process group of its own, gets SIGTERM
+    from the kernel (PR_SET_PDEATHSIG) and stops, instead of training on unsupervised."""
+    import subprocess
+
+    folder = tmp_path / "child"
+    folder.mkdir()
+    (folder / "plan.json").write_text(json.dumps([{"rc": 1, "wait_for_signal": "exit"}]))
+    script = tmp_path / "child.py"
+    script.write_text(FAKE_CHILD)
+    call = f"auto_resume.supervise(['--x'], 1, {str(tmp_path / 'ckpt')!r}, False, [sys.executable, {str(script)!r}])"
+    supervisor = f"import sys; from openrlhf_ess.cli import auto_resume; sys.exit({call})"
+    env = {**os.environ, "FAKE_CHILD_DIR": str(folder)}
+    proc = subprocess.Popen([sys.executable, "-c", supervisor], env=env, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not (folder / "waiting").exists():
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.02)
+        proc.kill()
+        proc.wait()
+        while not (folder / "signalled0").exists():
+            assert time.time() < deadline, "the child of a SIGKILLed supervisor got no SIGTERM"
+            time.sleep(0.02)
+        assert (folder / "signalled0").read_text() == str(int(signal.SIGTERM))
+    finally:
+        proc.kill()
+
+
 # ---- the real stack: one policy rank SIGKILLed after checkpoint 2, the supervised run finishes --------------------
 
 N_PROMPTS, BATCH, N_SAMPLES, EPISODES = 16, 8, 4, 2

@@ -207,6 +207,20 @@ def newest_complete(ckpt_path: str, need_sidecar: bool) -> Optional[int]:
 # ---- the supervisor -----------------------------------------------------------------------------------------------
 
 
+def _end_with_the_supervisor() -> None:
+    """In the child, before it runs the CLI: SIGTERM when the supervisor dies (Linux's ``PR_SET_PDEATHSIG``). The
+    child leads a process group of its own, so a supervisor killed by SIGKILL (which it cannot forward) would
+    otherwise leave the run training on, unsupervised; with it the run stops as after any SIGTERM (its clean-up)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the child outlives a SIGKILLed supervisor
+        return
+    if os.getppid() == 1:  # the supervisor died before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 class _Child:
     """The running attempt and the supervisor's stop signals: the first is forwarded to the child's process group,
     and SIGKILL follows after ``grace_s`` (or at a second signal)."""
@@ -258,7 +272,7 @@ class _Child:
             self._signal_group(signal.SIGKILL)
 
     def run(self, cmd: List[str], env: dict) -> int:
-        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_end_with_the_supervisor)
         self.forwarded = self.killed = False
         try:
             while True:
