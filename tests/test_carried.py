@@ -33,6 +33,7 @@ def args(gpus: int = 2):
         actor=types.SimpleNamespace(num_nodes=1, num_gpus_per_node=gpus),
         ds=types.SimpleNamespace(ring_attn_size=1, tensor_parallel_size=1),
         train=types.SimpleNamespace(dynamic_batch_enable=True),
+        vllm=types.SimpleNamespace(max_restarts=0),
     )
 
 

@@ -258,6 +258,7 @@ def make_trainer(monkeypatch, *, sleep, backend="nccl", canary_every=1, tensor_p
         sync_check_min_coverage=0.95,
         enable_sleep=sleep,
         sync_with_ray=False,
+        max_restarts=0,
     )
     algo = SimpleNamespace(
         prox_audit_dir=None,

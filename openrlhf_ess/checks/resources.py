@@ -299,7 +299,10 @@ def host_memory_needs(args: types.SimpleNamespace, model: int) -> Dict[str, int]
       each stage the whole model as it arrives (M) plus a message and its parsed tensors (2·m), and the engine's
       front end holds the message in transit (2·m): TP·(M + 2·m) + 2·m on the engine's node;
     - ``--algo.prox_mode dedicated``: rank 0 keeps the sync's messages for the scorer (M; without ``reload``, its
-      CPU copy and the messages: 2·M), and the scorer's received messages and parsed copy (2·M).
+      CPU copy and the messages: 2·M), and the scorer's received messages and parsed copy (2·M);
+    - ``--vllm.max_restarts`` > 0 (engine replacement, ``trainer/ray/engine_keeper.py``): rank 0 puts each message
+      in Ray's object store once, for every engine and a restarted one, and the set stays there until the next sync
+      replaces it: M + 3·m on rank 0's node instead of (3 + E)·m.
     """
     from openrlhf_ess.trainer.ray.vllm_worker_wrap import RELOAD_MESSAGE_BYTES
 
@@ -308,7 +311,8 @@ def host_memory_needs(args: types.SimpleNamespace, model: int) -> Dict[str, int]
     reload = args.vllm.sync_backend == config.RELOAD_BACKEND and args.vllm.num_engines
     if reload:
         engines = int(args.vllm.num_engines)
-        needs["actor rank 0 (--vllm.sync_backend reload)"] = (3 + engines) * message
+        kept = getattr(args.vllm, "max_restarts", 0) > 0  # the whole set, kept for a restarted engine
+        needs["actor rank 0 (--vllm.sync_backend reload)"] = model + 3 * message if kept else (3 + engines) * message
         tp = max(1, int(getattr(args.vllm, "tensor_parallel_size", 1) or 1))
         needs[f"each vLLM engine with its {tp} worker(s) (--vllm.sync_backend reload)"] = (
             tp * (model + 2 * message) + 2 * message

@@ -52,6 +52,11 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
+    # Replacement (--vllm.max_restarts; set by __init__): this engine's place in the run's list, the run's keeper
+    engine_index: int = 0
+    _keeper: Any = None
+    _restart: Optional[Dict[str, Any]] = None
+
     async def __init__(
         self,
         *args,
