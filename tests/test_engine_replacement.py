@@ -78,9 +78,9 @@ def test_a_restart_past_the_budget_is_refused_and_every_failure_is_named_in_orde
 def _args(**over):
     vllm = dict(max_restarts=1, num_engines=1, sync_backend="reload", sync_check_tol=0.05, enable_sleep=False)
     vllm.update(over.pop("vllm", {}))
-    train = dict(async_enable=False)
-    train.update(over.pop("train", {}))
-    return types.SimpleNamespace(vllm=types.SimpleNamespace(**vllm), train=types.SimpleNamespace(**train))
+    algo = dict(prox_mode="recompute")
+    algo.update(over.pop("algo", {}))
+    return types.SimpleNamespace(vllm=types.SimpleNamespace(**vllm), algo=types.SimpleNamespace(**algo))
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,8 @@ def _args(**over):
         ({"vllm": {"max_restarts": -1}}, "--vllm.max_restarts must be >= 0"),
         ({"vllm": {"num_engines": 0}}, "it needs --vllm.num_engines >= 1"),
         ({"vllm": {"sync_backend": "nccl"}}, "Use --vllm.sync_backend reload, or --vllm.max_restarts 0"),
-        ({"train": {"async_enable": True}}, "Train synchronously, or --vllm.max_restarts 0"),
+        ({"algo": {"prox_mode": "interrupt"}}, "Use --algo.prox_mode snapshot (exact as well, kept on the trainer)"),
+        ({"algo": {"prox_mode": "dedicated"}}, "a dead engine's streams die with it"),
         ({"vllm": {"enable_sleep": True}}, "Drop --vllm.enable_sleep, or --vllm.max_restarts 0"),
         ({"vllm": {"sync_check_tol": 0.0}}, "Leave --vllm.sync_check_tol at its default, or --vllm.max_restarts 0"),
     ],
@@ -99,7 +100,8 @@ def test_replacement_outside_what_it_is_built_for_is_refused_naming_the_flag(ove
 
     with pytest.raises(ConfigError, match=re.escape(named)):
         _validate_replacement(_args(**over))
-    _validate_replacement(_args())  # sync, reload, check on: accepted
+    _validate_replacement(_args())  # reload, check on: accepted (sync or async: the flag is not read)
+    _validate_replacement(_args(algo={"prox_mode": "snapshot"}))
     _validate_replacement(_args(vllm={"max_restarts": 0, "sync_backend": "nccl"}))  # off: nothing to check
 
 
@@ -316,6 +318,28 @@ def test_an_engine_killed_mid_rollout_twice_is_replaced_and_every_prompt_is_trai
     assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
     seconds = [float(re.search(r" in ([0-9.]+) s$", line).group(1)) for line in replaced]
     print(json.dumps({"restart_seconds": seconds, "requeued": faults["faults/prompts_requeued"]}))
+
+
+@pytest.mark.real_stack
+@pytest.mark.slow
+def test_async_partial_rollouts_survive_the_same_two_kills_with_every_prompt_trained_once(tiny_world, tmp_path):
+    """The stack tier's two kills (the actor, then the engine core, each mid-rollout), in async training with partial
+    rollouts and snapshot π_prox (our controllers, the generator in its own actor, syncs that pause the engine with
+    requests in flight): the run completes, both engines replaced and checked, each prompt trained exactly once."""
+    from transformers import AutoTokenizer
+
+    from tests.test_resume import _prompt_texts, _trained
+
+    kills = [("batch_v0.pt", "actor"), ("batch_v1.pt", "core")]
+    flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.prox_mode", "snapshot"]
+    run, audit, killed = _replacement_run(tiny_world, tmp_path, 2, kills, flags=flags)
+    assert not run.timed_out and run.rc == 0, run.log[-6000:]
+    assert len([line for line in run.log.splitlines() if "engine replaced: engine 0" in line]) == 2, run.log[-6000:]
+    assert len([line for line in run.log.splitlines() if "(checksums now, canary) passed" in line]) >= 1
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
+    prompts = _prompt_texts(tiny_world["prompts"], N_PROMPTS)
+    assert _trained(audit, tokenizer, list(prompts)) == collections.Counter({p: 4 * n for p, n in prompts.items()})
+    assert not run.leftovers, run.leftovers
 
 
 @pytest.mark.real_stack

@@ -587,10 +587,11 @@ def _validate_replacement(args: types.SimpleNamespace) -> None:
             "group that upstream forms once, at start-up, with every engine and the trainer's rank 0; replacement "
             "gives it the weights through Ray instead. Use --vllm.sync_backend reload"
         )
-    elif args.train.async_enable:
+    elif args.algo.prox_mode in SCORE_AT_SYNC_MODES:
         why = (
-            "with --train.async_enable an engine can die while a weight sync has paused it and the trainer runs "
-            "ahead; replacement is built and tested for synchronous training only. Train synchronously"
+            f"--algo.prox_mode {args.algo.prox_mode} scores the engines' in-flight streams at each sync, and a dead "
+            "engine's streams die with it while their scores would wait for samples that never come back. Use "
+            "--algo.prox_mode snapshot (exact as well, kept on the trainer)"
         )
     elif getattr(args.vllm, "enable_sleep", False):
         why = "a restarted engine starts awake, outside upstream's sleep/wake cycle. Drop --vllm.enable_sleep"

@@ -191,9 +191,10 @@ class WeightSync:
             refs.append(ray.put(blob))
             if dedicated:
                 kept.append(blob)
-        ray.get(engine_keeper.find().put_weights.remote(self.trainer.weight_version + 1, refs))
-        checks = self.args.vllm.sync_check_tol > 0
-        loaded = ray.get([engine.load_weights_from_refs.remote(refs, checks) for engine in self.trainer.vllm_engines])
+        version = self.trainer.weight_version + 1
+        ray.get(engine_keeper.find().put_weights.remote(version, refs))
+        checks, engines = self.args.vllm.sync_check_tol > 0, self.trainer.vllm_engines
+        loaded = ray.get([engine.load_weights_from_refs.remote(refs, checks, version) for engine in engines])
         if checks:
             self._loaded_engine_checksums = [(r["checksums"], r["checksum_seconds"]) for r in loaded]
         if dedicated:

@@ -56,6 +56,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
     engine_index: int = 0
     _keeper: Any = None
     _restart: Optional[Dict[str, Any]] = None
+    _held_set: Optional[int] = None  # the version of the last set load_weights_from_refs loaded
 
     async def __init__(
         self,
@@ -426,18 +427,35 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         from openrlhf_ess.trainer.eval_clock import process_start_time
 
         if told["refs"]:
-            await self.load_weights_from_refs(told["refs"])
+            await self.load_weights_from_refs(told["refs"], version=int(told["version"]))
         self.weight_version = int(told["version"])
         seconds = time.time() - process_start_time()
         await self._keeper.rejoined.remote(self.engine_index, os.getpid(), self.weight_version, seconds)
 
-    async def load_weights_from_refs(self, refs: List[Any], with_checksums: bool = False) -> Dict[str, Any]:
+    async def load_weights_from_refs(
+        self, refs: List[Any], with_checksums: bool = False, version: Optional[int] = None
+    ) -> Dict[str, Any]:
         """A whole reload sync in one call (replacement on): ``refs`` are its safetensors messages in Ray's object
-        store, all staged but the last, which loads. Idempotent, so Ray may send it again to a restarted engine."""
+        store, all staged but the last, which loads; ``version`` is the version they become. Idempotent, so Ray may
+        send it again to a restarted engine, and a restarted engine that already loaded this version in its
+        ``__init__`` (the keeper had it) does not load it again.
+
+        A restarted engine can meet the trainer's load while it serves calls sent again: with partial rollouts the
+        sync paused the dead engine, not this one. It pauses as upstream's sync does (``mode="keep"``: requests
+        preempted, prefix cache cleared), loads, and is resumed by that sync's ``resume_generation``, after the
+        trainer told it the new version, so every token is tagged with the weights that sampled it. Without partial
+        rollouts no request is in flight during a sync (sync training, or upstream's lock in async training)."""
+        if version is not None and version == self._held_set:
+            checksums = await self.weight_checksums() if with_checksums else None
+            return {"counts": [], "checksums": checksums, "checksum_seconds": 0.0}
         try:
+            if self.llm.output_processor.get_num_unfinished_requests() and not await self.llm.is_paused():
+                await self.pause_generation()
             for ref in refs[:-1]:
                 await self.stage_weights_from_safetensors(await ref)
-            return await self.load_weights_from_safetensors(await refs[-1], with_checksums)
+            loaded = await self.load_weights_from_safetensors(await refs[-1], with_checksums)
+            self._held_set = version
+            return loaded
         except Exception as e:  # an engine core that died while idle is found here, at the sync after its death
             self._exit_if_engine_dead(e)
             raise
