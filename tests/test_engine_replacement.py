@@ -72,6 +72,15 @@ def test_a_restart_past_the_budget_is_refused_and_every_failure_is_named_in_orde
     assert keeper.budget_left() == 0
 
 
+def test_a_restart_that_fails_to_start_is_named_as_such():
+    """The new engine said hello and never rejoined (its start failed: Ray leaves the actor dead)."""
+    keeper = _keeper(2)
+    keeper.hello(0, 100, reconstructed=False)
+    keeper.hello(0, 200, reconstructed=True)
+    assert keeper.restarting() == [0]
+    assert engine_keeper.history_text(keeper.history()).endswith("; not replaced: the restart failed")
+
+
 # ---------------------------------------------------------------- pre-flight
 
 

@@ -201,10 +201,11 @@ class WeightSync:
             self._blob_for_dedicated = (kept,)
 
     def check_replaced(self) -> Dict[str, float]:
-        """After an engine was replaced (all ranks; sync training, so the trainer holds the weights of the last
-        sync): the sync check on every engine now, with checksums taken now (a replaced engine's load-time ones
-        died with it) and the canary, before the batch it helped generate is trained. Stands for the check of the
-        last sync, which the next step would otherwise run. Returns its metrics."""
+        """After an engine was replaced (all ranks, at the start of a training step, when the trainer holds the
+        weights of the last sync, sync and async alike): the sync check on every engine now, with checksums taken
+        now (a replaced engine's load-time ones died with it) and the canary, before the batch it helped generate is
+        trained. Stands for the check of the last sync, which the next step would otherwise run. Returns its
+        metrics."""
         self._loaded_engine_checksums, self._to_check = None, False
         self.metrics = {}
         ours = self.trainer_checksums()
