@@ -295,7 +295,7 @@ def _step_metrics(log: str) -> dict:
 
 
 @pytest.mark.real_stack
-@pytest.mark.stack
+@pytest.mark.slow
 def test_an_engine_killed_mid_rollout_twice_is_replaced_and_every_prompt_is_trained_once(tiny_world, tmp_path):
     """--vllm.max_restarts 2: the engine actor is SIGKILLed in the second rollout and its vLLM engine core in the
     third, each with requests in flight. Both are replaced (new pids, the last sync's version), the run completes
@@ -353,12 +353,18 @@ def test_async_partial_rollouts_survive_the_same_two_kills_with_every_prompt_tra
 
 @pytest.mark.real_stack
 def test_a_hang_past_the_budget_stops_the_run_naming_every_failure(tiny_world, tmp_path):
-    """--vllm.max_restarts 1 --vllm.watchdog_s 10: the engine actor is SIGKILLed in the second rollout (replaced),
-    then its vLLM processes are SIGSTOPped in the third. The watchdog finds the hang within its bound and a look, the
-    budget is used, so the run stops with exit 1: our one message names the hung engine (its new pid, its requests
-    in flight) and, in order, the earlier failure and its replacement; no process is left (the stopped ones too)."""
+    """--vllm.max_restarts 1 --vllm.watchdog_s 10: the engine actor is SIGKILLed in the second rollout with requests
+    in flight (replaced: its calls are sent again, the sync check passes on the new engine, step 2 trains), then its
+    vLLM processes are SIGSTOPped in the third. The watchdog finds the hang within its bound and a look, the budget
+    is used, so the run stops with exit 1: our one message names the hung engine (its new pid, its requests in
+    flight) and, in order, the earlier failure and its replacement; the two steps trained trained each of their 16
+    prompts exactly once (the audit trail); no process is left (the stopped ones too)."""
+    from transformers import AutoTokenizer
+
+    from tests.test_resume import _prompt_texts, _trained
+
     kills = [("batch_v0.pt", "actor"), ("batch_v1.pt", "stop")]
-    run, _, killed = _replacement_run(tiny_world, tmp_path, 1, kills, flags=["--vllm.watchdog_s", "10"])
+    run, audit, killed = _replacement_run(tiny_world, tmp_path, 1, kills, flags=["--vllm.watchdog_s", "10"])
     assert not run.timed_out and run.rc == 1, run.log[-6000:]
     (_, pid0, *_), (_, pid1, inflight1, *stopped) = killed
     assert int(inflight1) > 0 and stopped, killed
@@ -370,6 +376,12 @@ def test_a_hang_past_the_budget_stops_the_run_naming_every_failure(tiny_world, t
     assert f"replaced by pid {pid1} at weight version 1 " in ours[0], ours
     stopped_at = os.stat(os.path.join(str(tmp_path), "killed1")).st_mtime
     assert run.ended_at - stopped_at < 10 + 1 + 30, run.ended_at - stopped_at
+    assert "the weight sync check (checksums now, canary) passed on every engine at version 1" in run.log
+    faults = _step_metrics(run.log)  # step 2's: after the replacement
+    assert faults["faults/engine_restarts"] == 1 and faults["faults/prompts_requeued"] >= 1, faults
+    tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
+    trained = _trained(audit, tokenizer, list(_prompt_texts(tiny_world["prompts"], N_PROMPTS)))
+    assert len(trained) == 16 and set(trained.values()) == {4}, trained
     assert not run.leftovers, run.leftovers
     assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
 
