@@ -94,11 +94,16 @@ def test_actor_died_message_from_nested_ray_errors():
     outer = RayTaskError("PPOTrainerAsync.fit", "tb", inner).as_instanceof_cause()
     assert dead_actor(outer) is died
     assert dead_actor(ValueError("x")) is None
-    args = SimpleNamespace(ray=SimpleNamespace(temp_dir="/tmp/ray_x", address=None))
+    args = SimpleNamespace(
+        ray=SimpleNamespace(temp_dir="/tmp/ray_x", address=None), vllm=SimpleNamespace(max_restarts=0)
+    )
     msg = actor_died_message(died, args)
     assert msg.startswith("the vLLM engine (RolloutRayActorImpl, pid 4242,")
     assert "its worker process has died" in msg and "Some common causes" not in msg
     assert "/tmp/ray_x/session_latest/logs" in msg and "--ckpt.load_enable" in msg
+    assert "replaced in place only with --vllm.max_restarts N" in msg  # the flag that would have gone on
+    args.vllm.max_restarts = 2
+    assert "this run's --vllm.max_restarts 2 replacement(s) are used" in actor_died_message(died, args)
 
 
 SYS_EXIT_REWARD = """

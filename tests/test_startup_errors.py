@@ -16,7 +16,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from openrlhf_ess.cli import train_ppo_ray as cli
 
-ARGS = SimpleNamespace(ray=SimpleNamespace(temp_dir="/tmp/ray_x", address=None))
+ARGS = SimpleNamespace(ray=SimpleNamespace(temp_dir="/tmp/ray_x", address=None), vllm=SimpleNamespace(max_restarts=0))
 
 
 def _task_error(function, cause, pid, traceback_text):

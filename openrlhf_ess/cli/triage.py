@@ -138,6 +138,22 @@ def _role(cls: str) -> str:
     return next((r for key, r in _ACTOR_ROLES if key in cls), "Ray actor")
 
 
+def _replace_hint(engine: bool, args) -> str:
+    """Why the run stops rather than replace the actor that died, and which flag would have gone on."""
+    if engine:
+        n = getattr(args.vllm, "max_restarts", 0)
+        if n > 0:
+            return f"this run's --vllm.max_restarts {n} replacement(s) are used, or the new engine did not start"
+        return (
+            "a dead vLLM engine is replaced in place only with --vllm.max_restarts N (its in-flight rollouts "
+            "generated again, checked before training)"
+        )
+    return (
+        "a trainer rank cannot be replaced mid-run (its ZeRO shards and optimizer state die with it); "
+        "--train.auto_resume N restarts the job from its newest complete checkpoint"
+    )
+
+
 def _logs_hint(args) -> str:
     if args.ray.temp_dir and not (args.ray.address or os.environ.get("RAY_ADDRESS")):
         return f"Ray's logs of every process are under {os.path.join(args.ray.temp_dir, 'session_latest', 'logs')}"
@@ -264,10 +280,10 @@ def actor_died_message(err, args) -> str:
     why = " ".join(why.group(1).split()) if why else " ".join(text.split())[:300]
     return (
         f"the {role} ({cls}, pid {pid.group(1) if pid else '?'}, Ray actor {getattr(err, 'actor_id', '?')}) died "
-        f"during the run: {why} The run stops here (fail fast): an engine or trainer cannot be replaced mid-run "
-        "(its in-flight rollouts are lost and a new one would not hold the trained weights). Find the cause in "
-        f"its output above (OOM killer, segfault, CUDA error; {_logs_hint(args)}), then restart; to continue from "
-        "the last checkpoint pass --ckpt.load_enable (checkpoints are written every --ckpt.save_steps)."
+        f"during the run: {why} The run stops here (fail fast): {_replace_hint(role == 'vLLM engine', args)}. "
+        f"Find the cause in its output above (OOM killer, segfault, CUDA error; {_logs_hint(args)}), then restart; "
+        "to continue from the last checkpoint pass --ckpt.load_enable (checkpoints are written every "
+        "--ckpt.save_steps)."
     )
 
 
@@ -368,9 +384,8 @@ def engine_died_message(exc: BaseException, args, started: bool) -> str:
     )
     return (
         f"a vLLM engine's own processes died {when}: its EngineCore or a worker process is gone ({engine}; vLLM "
-        "raised EngineDeadError). The run stops here (fail fast): an engine cannot be replaced mid-run (its "
-        "in-flight rollouts are lost and a new one would not hold the trained weights). Find the cause in the "
-        "output above: the dying process's own error is on the lines tagged (EngineCore pid=...) or (Worker "
+        f"raised EngineDeadError). The run stops here (fail fast): {_replace_hint(True, args)}. Find the cause in "
+        "the output above: the dying process's own error is on the lines tagged (EngineCore pid=...) or (Worker "
         "pid=...); if there is none, it was killed from outside (the OOM killer: see `dmesg`; a lower "
         f"--vllm.cpu_kv_cache_gb or --vllm.gpu_memory_utilization uses less memory; {_logs_hint(args)}); {then}."
     )
