@@ -9,7 +9,9 @@ appended: the staleness level and the correction (the names of ``benchmarks/stal
 ``--train.seed 42 + seed``. The script evaluates the 197 held-out prompts every 25 steps at the rollout
 temperature (4 samples each: ``eval/eval_default_pass1`` is the mean exact-match accuracy over 788 samples).
 Runs go one after another, seeds outermost, so a grid cut short still holds every configuration for the seeds
-it finished. The cores are shared by every process of a run, as a user's single machine shares them; with
+it finished. ``--n-eval``, ``--warm-target`` and ``--warm-check-every`` give the script another eval set or warm
+start (its N_EVAL, WARM_TARGET, WARM_CHECK_EVERY; each run records them, with SAMPLES and LR where set, as
+``task_env``). The cores are shared by every process of a run, as a user's single machine shares them; with
 ``--pin-engine-core`` the engine has core 0 to itself and everything else the other cores.
 
 Writes into ``--out``: ``results.json`` (per run: the eval curve as [step, seconds since launch, seconds since
@@ -212,9 +214,17 @@ def initial_target_reward(world: dict, samples: int = 4, seed: int = 0) -> float
 
 
 def run_once(
-    key: str, seed: int, steps: int, run_dir: str, world, pin_engine_core: bool = False, task: str = "rlvr"
+    key: str,
+    seed: int,
+    steps: int,
+    run_dir: str,
+    world,
+    pin_engine_core: bool = False,
+    task: str = "rlvr",
+    task_env: Optional[Dict[str, str]] = None,
 ) -> Dict:
-    """One run of the grid: ``world`` is the RLVR world's folder (task rlvr) or :func:`target_world`'s dict."""
+    """One run of the grid: ``world`` is the RLVR world's folder (task rlvr) or :func:`target_world`'s dict;
+    ``task_env`` the script's task settings (N_EVAL, WARM_TARGET, WARM_CHECK_EVERY; task rlvr), kept in the run."""
     level, name = parse_config(key)
     flags = config_flags(level, name) + ["--train.seed", str(42 + seed)]
     os.makedirs(run_dir, exist_ok=True)
@@ -223,7 +233,7 @@ def run_once(
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "WANDB_MODE": "offline"}
     else:
         cmd, tb_dir = ["bash", SCRIPT, *flags], os.path.join(run_dir, "tensorboard")
-        env = {**os.environ, "SEED": "0", "STEPS": str(steps), "RUN_DIR": run_dir, "WORLD": world}
+        env = {**os.environ, "SEED": "0", "STEPS": str(steps), "RUN_DIR": run_dir, "WORLD": world, **(task_env or {})}
         env["WANDB_MODE"] = "offline"
     launched = time.time()
     rc = launch(cmd, run_dir, env, pin_engine_core)
@@ -236,6 +246,10 @@ def run_once(
         ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
     run["flags"] = flags
+    if task == "rlvr":  # the task's settings this run had (the script's defaults where not given)
+        run["task_env"] = {
+            k: env[k] for k in ("N_EVAL", "WARM_TARGET", "WARM_CHECK_EVERY", "SAMPLES", "LR") if k in env
+        }
     return run
 
 
@@ -420,6 +434,12 @@ TASK_TEXT = {
 
 def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_value: float, task="rlvr") -> None:
     text = TASK_TEXT[task]
+    n_evals = {r.get("task_env", {}).get("N_EVAL", "100") for runs in results.values() for r in runs}
+    if task == "rlvr" and n_evals != {"100"}:  # a larger eval set than the default's 197 prompts
+        from openrlhf_ess.tiny.rlvr import split_pairs
+
+        counts = " / ".join(str(len(split_pairs(int(n))[1])) for n in sorted(n_evals, key=int))
+        text = {**text, "eval": text["eval"].replace("197 prompts", f"{counts} prompts")}
     steps = common_steps(results)
     sync = results.get("sync | none", [])
     target = statistics.mean(final_acc(r, steps=steps) for r in sync) if sync else None
@@ -626,19 +646,27 @@ def plot(results: Dict[str, List[Dict]], out: str, start_value: float, task: str
     return paths
 
 
-def warm_start_accuracy(world: str) -> float:
+def warm_start_accuracy(world: str, task_env: Optional[Dict[str, str]] = None) -> float:
     """The warm start's held-out accuracy at temperature 1 (4 samples per prompt, fp32 torch): step 0 of every
-    curve (upstream evaluates at multiples of --eval.steps only)."""
+    curve (upstream evaluates at multiples of --eval.steps only). ``task_env``: the eval set and warm start the
+    script is given (N_EVAL, WARM_TARGET, WARM_CHECK_EVERY)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from openrlhf_ess.tiny import rlvr
 
-    built = rlvr.build_rlvr(world, seed=0)
+    task_env = task_env or {}
+    n_eval = int(task_env.get("N_EVAL", 100))
+    warm = rlvr.WarmStart()
+    if "WARM_TARGET" in task_env:
+        warm = warm._replace(target_acc=float(task_env["WARM_TARGET"]))
+    if "WARM_CHECK_EVERY" in task_env:
+        warm = warm._replace(check_every=int(task_env["WARM_CHECK_EVERY"]))
+    built = rlvr.build_rlvr(world, seed=0, n_eval=n_eval, warm=warm)
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(built["model"], dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(built["model"])
-    _, held_out = rlvr.split_pairs()
+    _, held_out = rlvr.split_pairs(n_eval)
     return statistics.mean(rlvr.accuracy(model, tokenizer, held_out, temperature=1.0, seed=k) for k in range(4))
 
 
@@ -671,6 +699,13 @@ def main() -> None:
         help="the engine on core 0, everything else on the other cores (as on separate devices); results go to "
         "--out's pinned/ and the run folders end in _pinned",
     )
+    parser.add_argument(
+        "--n-eval", type=int, default=None, help="task rlvr: held-out unordered pairs (the script's N_EVAL; 100)"
+    )
+    parser.add_argument("--warm-target", type=float, default=None, help="task rlvr: the warm start's target accuracy")
+    parser.add_argument(
+        "--warm-check-every", type=int, default=None, help="task rlvr: the warm start's check interval"
+    )
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "rlvr_grid"))
     parser.add_argument("--workdir", default=os.path.join(REPO, "runs", "rlvr_grid"))
     parser.add_argument("--from-json", action="store_true", help="only re-render from --out's results.json")
@@ -694,9 +729,18 @@ def main() -> None:
     if os.path.exists(results_path):
         with open(results_path) as f:
             results = json.load(f)
+    task_env = {
+        name: str(value)
+        for name, value in (
+            ("N_EVAL", a.n_eval),
+            ("WARM_TARGET", a.warm_target),
+            ("WARM_CHECK_EVERY", a.warm_check_every),
+        )
+        if value is not None
+    }
     start_value = results.pop(TASK_TEXT[a.task]["start_key"], None)
     if start_value is None:
-        start_value = initial_target_reward(world) if a.task == "target" else warm_start_accuracy(world)
+        start_value = initial_target_reward(world) if a.task == "target" else warm_start_accuracy(world, task_env)
     command = "python -m benchmarks.rlvr_grid " + shlex.join(sys.argv[1:])
     backfilled = False
     tb_name = "tb" if a.task == "target" else "tensorboard"
@@ -721,7 +765,7 @@ def main() -> None:
                     continue  # already measured (a resumed grid)
                 t0 = time.time()
                 run_dir = os.path.join(a.workdir, run_dir_name(key, seed) + suffix)
-                run = run_once(key, seed, a.steps, run_dir, world, a.pin_engine_core, a.task)
+                run = run_once(key, seed, a.steps, run_dir, world, a.pin_engine_core, a.task, task_env)
                 run["command"] = command
                 results.setdefault(key, []).append(run)
                 print(

@@ -14,7 +14,8 @@ optimizer: the gradient clipped to ``--clip`` (the CLI's ``--actor.max_norm`` is
 ``--beta2`` (the CLI's 0.95; 0.999 unless given) and ``--eps`` (the CLI's 1e-8), the learning rate warmed up
 linearly over ``--warmup`` steps (none unless given, as the tiny scripts) and then constant. What it leaves out
 against the CLI: bf16, ZeRO, the vLLM sampler. Every ``--eval-every`` steps it prints the held-out accuracy,
-greedy and at the rollout temperature (mean of 4 passes over the 197 eval problems). With ``--out`` the setting,
+greedy and at the rollout temperature (mean of 4 passes over the 197 eval problems, or over both orders of the
+first ``--n-eval`` unordered pairs of the split: 1,589 problems at 800). With ``--out`` the setting,
 the warm start's record and that curve go into a JSON results file (one record per setting and seed; a rerun
 replaces its record); ``--render`` writes the file's table (:func:`render`) to the ``.md`` beside it, and
 ``--render-grid`` counts each run of a ``benchmarks.rlvr_grid`` results file the same way
@@ -44,6 +45,15 @@ def grpo_advantages(rewards, normalize: bool = True):
 
 
 EVAL_SAMPLES = 197 * 4  # the held-out eval at T = 1: 197 problems x 4 passes (the CLI's eval, the same count)
+EVAL_PASSES = 4
+
+
+def eval_samples(n_eval: int = 100, passes: int = EVAL_PASSES) -> int:
+    """Samples of one held-out eval over ``n_eval`` unordered pairs (both orders of each, a + a once), ``passes``
+    each: 788 for the first 100 pairs (197 problems)."""
+    from openrlhf_ess.tiny.rlvr import split_pairs
+
+    return passes * len(split_pairs(n_eval)[1])
 
 
 def eval_se(acc: float, n: int = EVAL_SAMPLES) -> float:
@@ -82,6 +92,7 @@ def run(
     warmup=0,
     temperature=1.0,
     eps=1e-8,
+    n_eval=100,
 ):
     import collections
     import copy
@@ -96,10 +107,10 @@ def run(
         warm = warm._replace(check_every=warm_check_every)
     if warm_max_steps:
         warm = warm._replace(max_steps=warm_max_steps)
-    built = rlvr.build_rlvr(root, seed=seed, warm=warm)
+    built = rlvr.build_rlvr(root, seed=seed, n_eval=n_eval, warm=warm)
     tokenizer = AutoTokenizer.from_pretrained(built["model"])
     model = AutoModelForCausalLM.from_pretrained(built["model"], dtype="float32")
-    pool, held_out = rlvr.split_pairs()
+    pool, held_out = rlvr.split_pairs(n_eval)
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     rng = random.Random(seed + 7)
@@ -114,7 +125,7 @@ def run(
     def evaluate(step):
         greedy = rlvr.accuracy(model, tokenizer, held_out)
         sampled = statistics.mean(
-            rlvr.accuracy(model, tokenizer, held_out, temperature=temperature, seed=k) for k in range(4)
+            rlvr.accuracy(model, tokenizer, held_out, temperature=temperature, seed=k) for k in range(EVAL_PASSES)
         )
         curve.append((step, greedy, sampled))
         seen = " ".join(
@@ -198,6 +209,8 @@ def _describe(setting: dict) -> str:
     if setting.get("warm_max_steps"):
         parts.append(f"at most {setting['warm_max_steps']} steps")
     extra = []
+    if setting.get("n_eval", 100) != 100:
+        extra.append(f"eval {setting['n_eval']} pairs")
     if setting.get("clip"):
         extra.append(f"clip {setting['clip']:g}")
     if setting.get("eps", 1e-8) != 1e-8:
@@ -229,7 +242,7 @@ def render(records: list) -> str:
     ]
     for r in records:
         st, curve = r["setting"], r["curve"]
-        t1, greedy = rise(curve), rise(curve, column=1)
+        t1, greedy = rise(curve, n=eval_samples(st.get("n_eval", 100))), rise(curve, column=1)
         warm, extra = _describe(st)
         peak = max(row[2] for row in curve)
         lines.append(
@@ -251,7 +264,8 @@ def render_grid_rises(grid: dict, start_key: str = "_warm_start_accuracy") -> st
         if key.startswith("_"):
             continue
         for run in runs:
-            r = rise([[0, None, start]] + [[e[0], None, e[3]] for e in run["eval"]])
+            n = eval_samples(int(run.get("task_env", {}).get("N_EVAL", 100)))
+            r = rise([[0, None, start]] + [[e[0], None, e[3]] for e in run["eval"]], n=n)
             name = key.replace(" | ", ": ")
             lines.append(
                 f"| {name} | {run['seed']} | {r['start']:.3f} → {r['end']:.3f} | {r['rise']:+.3f} | {r['in_se']:.1f} |"
@@ -278,6 +292,9 @@ def main() -> None:
     parser.add_argument("--beta2", type=float, default=0.999, help="Adam's beta2 (the CLI's: 0.95)")
     parser.add_argument("--warm-check-every", type=int, default=None, help="warm start: steps between dev checks")
     parser.add_argument("--warm-max-steps", type=int, default=None, help="warm start: at most this many steps")
+    parser.add_argument(
+        "--n-eval", type=int, default=100, help="held-out unordered pairs, asked in both orders (100: 197 problems)"
+    )
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "ess_rlvr_search"))
     parser.add_argument("--out", default=None, help="results file (JSON) to keep this run's record in")
     parser.add_argument(
@@ -325,6 +342,7 @@ def main() -> None:
         warmup=a.warmup,
         temperature=a.temperature,
         eps=a.eps,
+        n_eval=a.n_eval,
     )
     if a.out:
         from openrlhf_ess.tiny.rlvr import WarmStart
@@ -347,6 +365,7 @@ def main() -> None:
             "warmup": a.warmup,
             "temperature": a.temperature,
             "eps": a.eps,
+            "n_eval": a.n_eval,
         }
         save(a.out, setting, warm_start, curve, time.time() - t0)
 

@@ -134,6 +134,30 @@ def test_the_search_counts_a_grid_runs_rise_from_the_files_start_value():
     assert render_grid_rises(grid).splitlines()[2] == "| sync: none | 0 | 0.150 → 0.500 | +0.350 | 19.6 |"
 
 
+def test_the_search_counts_a_larger_eval_sets_samples():
+    import random
+
+    from benchmarks.rlvr_search import eval_samples, render, render_grid_rises
+
+    # the split by hand: the 4,095 unordered pairs of 10..99 shuffled with seed 0; the first n asked in both orders,
+    # a pair a + a once; 4 passes each
+    unordered = [(a, b) for a in range(10, 100) for b in range(a, 100)]
+    random.Random(0).shuffle(unordered)
+    for n in (100, 800):
+        assert eval_samples(n) == 4 * sum(1 if a == b else 2 for a, b in unordered[:n])
+    assert eval_samples(100) == 788  # the default eval set: 197 problems
+    # a grid run on 800 pairs counts its rise over sqrt(0.25 / 6356) = 0.0062716 at 0.5: 0.35 / 0.0062716 = 55.8
+    assert eval_samples(800) == 6356
+    run = {**_run([(25, 1.0, 0.3), (50, 2.0, 0.45), (75, 3.0, 0.55)]), "task_env": {"N_EVAL": "800"}}
+    grid = {"_warm_start_accuracy": 0.15, "sync | none": [run]}
+    assert render_grid_rises(grid).splitlines()[2] == "| sync: none | 0 | 0.150 → 0.500 | +0.350 | 55.8 |"
+    # and a search record on 800 pairs, the same curve: 55.8, its eval set named in the row
+    setting = {"seed": 0, "target": 0.6, "lr": 2e-4, "prompts": 32, "samples": 16, "steps": 30, "n_eval": 800}
+    curve = [[0, 0.3, 0.15], [10, 0.4, 0.3], [20, 0.5, 0.45], [30, 0.6, 0.55]]
+    row = render([{"setting": setting, "warm_start": {"steps": 385}, "curve": curve, "seconds": 3.0}])
+    assert "| eval 800 pairs | 0.150 → 0.500 (0.550) | +0.350 | 55.8 |" in row.splitlines()[2]
+
+
 def test_measures_compare_runs_on_the_eval_steps_they_share():
     # an async run that ended before its last eval (100): the comparison uses steps 25-75 for every run
     short = _run([(25, 10.0, 0.1), (50, 20.0, 0.2), (75, 30.0, 0.3)])

@@ -5,7 +5,8 @@
 # pipeline; 2 cores, no GPU, no network; ~3-4 minutes.
 #   bash examples/scripts/train_rlvr_tiny_cpu.sh [extra flags...]
 # SEED picks the warm-started model (built once, ~15 s, then reused); STEPS the number of training steps of
-# PROMPTS prompts x SAMPLES samples (200 x 32 x 8: every prompt seen once). Extra flags are passed through, e.g.
+# PROMPTS prompts x SAMPLES samples (200 x 32 x 8: every prompt seen once). N_EVAL, WARM_TARGET and
+# WARM_CHECK_EVERY pick the eval set and the warm start (docs/rlvr_task.md). Extra flags are passed through, e.g.
 # --train.async_enable --train.async_queue_size 8 --train.partial_rollout_enable --algo.tis_cap 2 to train the
 # same task asynchronously (docs/rlvr_grid.md compares the corrections).
 set -euo pipefail
@@ -18,11 +19,16 @@ STEPS=${STEPS:-200}
 PROMPTS=${PROMPTS:-32}
 SAMPLES=${SAMPLES:-8}
 EVAL_STEPS=${EVAL_STEPS:-25}
+N_EVAL=${N_EVAL:-100}              # held-out unordered pairs, both orders asked (100: 197 problems)
+WARM_TARGET=${WARM_TARGET:-}       # warm start: stop at this dev greedy accuracy (empty: WarmStart's default)
+WARM_CHECK_EVERY=${WARM_CHECK_EVERY:-}  # warm start: steps between dev checks (empty: WarmStart's default)
 RUN_DIR=${RUN_DIR:-$ROOT/runs/tiny_rlvr/seed$SEED}
 WORLD=${WORLD:-$ROOT/runs/tiny_rlvr/world}
 source examples/scripts/_tiny_cpu_base.sh
 mkdir -p "$RUN_DIR"
-python -m openrlhf_ess.tiny.rlvr "$WORLD" --seed "$SEED" --n_train $((STEPS * PROMPTS)) > "$RUN_DIR/world.json"
+python -m openrlhf_ess.tiny.rlvr "$WORLD" --seed "$SEED" --n_train $((STEPS * PROMPTS)) --n_eval "$N_EVAL" \
+    ${WARM_TARGET:+--target_acc "$WARM_TARGET"} ${WARM_CHECK_EVERY:+--check_every "$WARM_CHECK_EVERY"} \
+    > "$RUN_DIR/world.json"
 # the build's JSON line (imports may print a log line before it)
 WORLD_JSON=$(grep '^{' "$RUN_DIR/world.json" | tail -n 1)
 field() { python -c "import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])" "$WORLD_JSON" "$1"; }

@@ -299,8 +299,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--n_eval", type=int, default=100, help="held-out unordered pairs (both orders are asked)")
     parser.add_argument("--target_acc", type=float, default=WarmStart().target_acc)
     parser.add_argument("--max_steps", type=int, default=WarmStart().max_steps)
+    parser.add_argument("--check_every", type=int, default=WarmStart().check_every, help="steps between dev checks")
     args = parser.parse_args(argv)
-    warm = WarmStart(target_acc=args.target_acc, max_steps=args.max_steps)
+    warm = WarmStart(target_acc=args.target_acc, max_steps=args.max_steps, check_every=args.check_every)
     out = build_rlvr(args.root, seed=args.seed, n_train=args.n_train, n_eval=args.n_eval, warm=warm)
     out["warm_start"] = {k: v for k, v in out["warm_start"].items() if k != "curve"}
     print(json.dumps(out))
