@@ -60,9 +60,11 @@ def _check_fail_fast(run, marker):
 
 
 @pytest.mark.real_stack
+@pytest.mark.slow
 def test_engine_killed_mid_rollout_fails_fast(tiny_world, tmp_path):
     """Sync training (upstream's controller): the engine is SIGKILLed (as by the OOM killer) while the
-    first rollout's requests are in flight."""
+    first rollout's requests are in flight. (The default suite's dead engine is the one past the replacement budget,
+    tests/test_engine_replacement.py: the same classification and message, through our controllers.)"""
     run, marker = _engine_killed_run(tiny_world, tmp_path, kill_at=3)
     _check_fail_fast(run, marker)
     assert "Global step" not in run.log  # died in the first rollout: no training step happened

@@ -267,6 +267,9 @@ def train(args) -> None:
             raise StartupFailed(str(e)) from e
         if engines.hung is not None:  # the watchdog stopped a hung engine: Ray's error is that engine's death
             raise EngineHung(with_failures(engines.hung, engines)) from e
+        used_up = replacements_used_up(e, engines, args)
+        if used_up is not None:  # a restart past --vllm.max_restarts was refused: Ray reports a start-up error
+            raise ActorDied(used_up) from e
         ours = classify_failure(e, args, started.is_set())
         if ours is None:
             raise
@@ -283,6 +286,24 @@ def train(args) -> None:
         if watch is not None:  # one last look before Ray ends the processes: files made since the last look
             watch.sample()
         ray.shutdown()
+
+
+def replacements_used_up(exc: BaseException, engines, args) -> Optional[str]:
+    """Our message when the run stopped because a restarted engine was refused past ``--vllm.max_restarts`` (its
+    ``__init__`` raised, so Ray's error reads as a start-up failure), else None."""
+    from openrlhf_ess.trainer.ray import engine_keeper
+
+    if engines.keeper is None or engine_keeper.REFUSED not in "".join(map(str, _chain_texts(exc))):
+        return None
+    return engine_keeper.used_up_message(engines.failures() or "(not recorded)", args.vllm.max_restarts)
+
+
+def _chain_texts(exc: Optional[BaseException]) -> List[str]:
+    out: List[str] = []
+    while exc is not None and len(out) < 16:
+        out.append(str(exc))
+        exc = exc.__cause__ or getattr(exc, "cause", None)
+    return out
 
 
 def with_failures(message: str, engines) -> str:

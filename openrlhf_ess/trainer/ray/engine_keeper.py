@@ -3,7 +3,8 @@ trainer's current weights, and verified before anything it generated is trained 
 
 How, in four parts:
 
-- **Ray restarts the actor.** The engines are created with Ray's ``max_restarts=N`` and ``max_task_retries=-1``.
+- **Ray restarts the actor.** The engines are created with Ray's ``max_restarts=N + 1`` (the keeper, not Ray, enforces
+  the run's N) and ``max_task_retries=-1``.
   When an engine's actor process dies (killed, OOM, a segfault), or exits on purpose because its vLLM engine core
   died (``RolloutRayActorImpl`` exits on vLLM's ``EngineDeadError``), or the watchdog kills a hung one
   (``engine_watchdog.py``), Ray ends the process group (EngineCore and workers, their GPU memory with them), starts
@@ -41,12 +42,28 @@ KEEPER_NAME = "openrlhf-ess-engine-keeper"
 def restart_line(event: Dict[str, Any], requeued: bool = True) -> str:
     """One failure and its replacement, for the log and the final error (with the calls sent again, when
     ``requeued``: they are known only once they have started on the new engine)."""
-    cause = event.get("cause") or "its actor process died (killed, out of memory, or its vLLM engine core died)"
+    cause = event.get("cause") or "its actor process died (a signal, a crash, or the kernel's memory killer)"
     line = f"engine {event['engine']} (pid {event.get('old_pid', '?')}): {cause}"
     if event.get("new_pid") is None:
         return line + f"; not replaced: {event.get('refused', 'the restart failed')}"
     line += f"; replaced by pid {event['new_pid']} at weight version {event['version']} in {event['seconds']:.1f} s"
     return line + (f" ({event['requeued']} request(s) sent again)" if requeued else "")
+
+
+# In the error a restarted engine raises past the budget (``RolloutRayActorImpl._hello_keeper``); the driver finds it
+# under Ray's creation-task error and names the run's failures instead (``cli/train_ppo_ray.py``).
+REFUSED = "died again and is not replaced"
+
+
+def used_up_message(engines_failures: str, max_restarts: int) -> str:
+    """The run's last line when a restart past ``--vllm.max_restarts`` was refused."""
+    return (
+        f"a vLLM engine died again during the run and is not replaced: the run's --vllm.max_restarts {max_restarts} "
+        "replacement(s) are used. The run stops here; the checkpoints written so far are kept. Engine failures of "
+        f"this run, in order: {engines_failures}. Find their causes in the engines' output above, then restart; to "
+        "continue from the last checkpoint pass --ckpt.load_enable; a larger --vllm.max_restarts allows more "
+        "replacements."
+    )
 
 
 def history_text(events: List[Dict[str, Any]]) -> str:

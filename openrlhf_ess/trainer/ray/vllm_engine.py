@@ -417,7 +417,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         told = await self._keeper.hello.remote(self.engine_index, os.getpid(), restarted)
         if not told["allowed"]:
             raise RuntimeError(
-                f"vLLM engine {self.engine_index} died again and is not replaced: --vllm.max_restarts "
+                f"vLLM engine {self.engine_index} {engine_keeper.REFUSED}: --vllm.max_restarts "
                 f"{told['max_restarts']} restart(s) of the run are used. Engine failures in order: {told['history']}"
             )
         return told if restarted else None
@@ -577,7 +577,9 @@ class _WithEngineKwargs:
 
     def options(self, **options):
         if self._max_restarts > 0:  # replacement (trainer/ray/engine_keeper.py): Ray restarts it, resends its calls
-            options = {**options, "max_restarts": self._max_restarts, "max_task_retries": -1}
+            # One more than the run's budget: the keeper, not Ray, refuses the restart past it (in the new engine's
+            # __init__), so that failure is recorded and named with the others.
+            options = {**options, "max_restarts": self._max_restarts + 1, "max_task_retries": -1}
         bound = self._actor_cls.options(**options)
         extra = dict(self._extra)
         if self._max_restarts > 0:
