@@ -4,10 +4,12 @@ wall-clock, sync against async, with and without corrections, several seeds.
     python -m benchmarks.rlvr_grid [--seeds 5] [--steps 200] [--configs ...] [--pin-engine-core] [--out docs/rlvr_grid]
 
 Every run is ``examples/scripts/train_rlvr_tiny_cpu.sh`` (the task of docs/rlvr_task.md: two-digit addition,
-exact-match reward, one warm-started model, 32 prompts x 8 samples per step, Adam lr 1e-4) with the run's flags
+exact-match reward, one warm-started model, 32 prompts x 32 samples per step, Adam lr 2e-4) with the run's flags
 appended: the staleness level and the correction (the names of ``benchmarks/staleness.py``) and
-``--train.seed 42 + seed``. The script evaluates the 197 held-out prompts every 25 steps at the rollout
-temperature (4 samples each: ``eval/eval_default_pass1`` is the mean exact-match accuracy over 788 samples).
+``--train.seed 42 + seed``. The script evaluates the 1,589 held-out prompts every 25 steps at the rollout
+temperature (4 samples each: ``eval/eval_default_pass1`` is the mean exact-match accuracy over 6,356 samples).
+The stored grid in docs/rlvr_grid ran the earlier defaults: 197 held-out prompts (``--n-eval 100``), the warm start
+to 0.27 checked every 25 steps, 32 x 8 samples at lr 1e-4 (``SAMPLES=8 LR=1e-4``).
 Runs go one after another, seeds outermost, so a grid cut short still holds every configuration for the seeds
 it finished. ``--n-eval``, ``--warm-target`` and ``--warm-check-every`` give the script another eval set or warm
 start (its N_EVAL, WARM_TARGET, WARM_CHECK_EVERY; each run records them, with SAMPLES and LR where set, as
@@ -246,8 +248,10 @@ def run_once(
         ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
     run["flags"] = flags
-    if task == "rlvr":  # the task's settings this run had (the script's defaults where not given)
-        run["task_env"] = {
+    if task == "rlvr":  # the task's settings this run had (the script's defaults where not given; N_EVAL always)
+        from openrlhf_ess.tiny.rlvr import N_EVAL
+
+        run["task_env"] = {"N_EVAL": str(N_EVAL)} | {
             k: env[k] for k in ("N_EVAL", "WARM_TARGET", "WARM_CHECK_EVERY", "SAMPLES", "LR") if k in env
         }
     return run
@@ -656,7 +660,7 @@ def warm_start_accuracy(world: str, task_env: Optional[Dict[str, str]] = None) -
     from openrlhf_ess.tiny import rlvr
 
     task_env = task_env or {}
-    n_eval = int(task_env.get("N_EVAL", 100))
+    n_eval = int(task_env.get("N_EVAL", rlvr.N_EVAL))
     warm = rlvr.WarmStart()
     if "WARM_TARGET" in task_env:
         warm = warm._replace(target_acc=float(task_env["WARM_TARGET"]))
@@ -700,7 +704,7 @@ def main() -> None:
         "--out's pinned/ and the run folders end in _pinned",
     )
     parser.add_argument(
-        "--n-eval", type=int, default=None, help="task rlvr: held-out unordered pairs (the script's N_EVAL; 100)"
+        "--n-eval", type=int, default=None, help="task rlvr: held-out unordered pairs (the script's N_EVAL; 800)"
     )
     parser.add_argument("--warm-target", type=float, default=None, help="task rlvr: the warm start's target accuracy")
     parser.add_argument(

@@ -62,7 +62,9 @@ def test_train_and_eval_prompts_disjoint_and_deterministic(tmp_path):
         return {tuple(sorted(map(int, r["input"][:-1].split("+")))) for r in rows}
 
     assert not unordered(train) & unordered(held_out)  # not even b+a of an eval problem a+b is trained on
-    assert len(unordered(held_out)) == 100
+    assert len(unordered(held_out)) == 800  # the default eval set: 800 unordered pairs
+    old = rlvr.build_prompts(str(tmp_path / "c" / "train.jsonl"), str(tmp_path / "c" / "eval.jsonl"), n_eval=100)
+    assert len(unordered(_rows(old[1]))) == 100 and len(_rows(old[1])) == 197  # the earlier one, still built
     pool, ev = rlvr.split_pairs()
     assert not {tuple(sorted(p)) for p in pool} & {tuple(sorted(p)) for p in ev}
     assert len(pool) + len(ev) == 90 * 90  # every ordered pair of 10..99, once
