@@ -35,6 +35,7 @@ from openrlhf_ess.cli.triage import (  # noqa: E402, F401  (also reached as name
     RewardFailed,
     RunFailed,
     StartupFailed,
+    _chain,
     actor_died_message,
     checkpoint_load_fix,
     classify_failure,
@@ -293,17 +294,9 @@ def replacements_used_up(exc: BaseException, engines, args) -> Optional[str]:
     ``__init__`` raised, so Ray's error reads as a start-up failure), else None."""
     from openrlhf_ess.trainer.ray import engine_keeper
 
-    if engines.keeper is None or engine_keeper.REFUSED not in "".join(map(str, _chain_texts(exc))):
+    if engines.keeper is None or not any(engine_keeper.REFUSED in str(e) for e in _chain(exc)):
         return None
     return engine_keeper.used_up_message(engines.failures() or "(not recorded)", args.vllm.max_restarts)
-
-
-def _chain_texts(exc: Optional[BaseException]) -> List[str]:
-    out: List[str] = []
-    while exc is not None and len(out) < 16:
-        out.append(str(exc))
-        exc = exc.__cause__ or getattr(exc, "cause", None)
-    return out
 
 
 def with_failures(message: str, engines) -> str:

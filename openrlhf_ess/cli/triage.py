@@ -141,7 +141,7 @@ def _role(cls: str) -> str:
 def _replace_hint(engine: bool, args) -> str:
     """Why the run stops rather than replace the actor that died, and which flag would have gone on."""
     if engine:
-        n = getattr(args.vllm, "max_restarts", 0)
+        n = args.vllm.max_restarts
         if n > 0:
             return f"this run's --vllm.max_restarts {n} replacement(s) are used, or the new engine did not start"
         return (

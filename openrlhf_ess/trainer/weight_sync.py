@@ -208,11 +208,7 @@ class WeightSync:
         metrics."""
         self._loaded_engine_checksums, self._to_check = None, False
         self.metrics = {}
-        ours = self.trainer_checksums()
-        if torch.distributed.get_rank() == 0:
-            dtype = str(next(self.trainer.actor.model.module.parameters()).dtype)
-            self._check_checksums(ours, dtype)
-        self._check_canary()
+        self._compare(canary=True)
         return dict(self.metrics)
 
     # ---- the check -----------------------------------------------------------------------------------
@@ -285,6 +281,10 @@ class WeightSync:
         """
         canary = self._syncs_checked % self.args.vllm.sync_check_canary_every == 0
         self._syncs_checked += 1
+        self._compare(canary)
+
+    def _compare(self, canary: bool) -> None:
+        """The check itself (all ranks): per-tensor checksums against every engine's, then the canary if asked."""
         ours = self.trainer_checksums()
         if torch.distributed.get_rank() == 0:
             dtype = str(next(self.trainer.actor.model.module.parameters()).dtype)

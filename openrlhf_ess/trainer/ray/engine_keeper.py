@@ -107,8 +107,7 @@ class EngineKeeperImpl:
         self.pids[engine] = pid
         event = {"engine": engine, "old_pid": old_pid, "cause": self.causes.pop(engine, None), "new_pid": None}
         self.events.append(event)
-        used = sum(1 for e in self.events if e.get("new_pid") is not None or e.get("restarting"))
-        if used >= self.max_restarts:
+        if self._used() >= self.max_restarts:  # the new event is neither begun nor done yet
             event["refused"] = f"--vllm.max_restarts {self.max_restarts} restart(s) already used"
             return {"allowed": False, "history": history_text(self.events), "max_restarts": self.max_restarts}
         event.update(restarting=True, started=time.time())
@@ -143,8 +142,12 @@ class EngineKeeperImpl:
 
     # ---- the trainer and the driver ---------------------------------------------------------------------------
 
+    def _used(self) -> int:
+        """Restarts begun or done (a refused or failed one is not a restart used)."""
+        return sum(1 for e in self.events if e.get("new_pid") is not None or e.get("restarting"))
+
     def budget_left(self) -> int:
-        return self.max_restarts - sum(1 for e in self.events if e.get("new_pid") is not None or e.get("restarting"))
+        return self.max_restarts - self._used()
 
     def unverified(self) -> List[int]:
         """Replaced engines the trainer has not checked since; the list is emptied (the caller checks them now)."""

@@ -133,7 +133,6 @@ class EngineWatchdog:
         # --vllm.max_restarts (engine_keeper.py): a hung engine is killed for Ray to restart while the budget lasts
         self.keeper = keeper
         self.restart_engine = restart_engine or (lambda engine: ray.kill(engine, no_restart=False))
-        self.replaced = 0  # hung engines killed for a restart
         self.ask = ask or (lambda engine: engine.watchdog_progress.remote())
         self.wait = wait or (lambda refs, timeout: ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
         self.get = get or ray.get
@@ -209,7 +208,6 @@ class EngineWatchdog:
             self.get(self.keeper.stopping.remote(clock.index, cause))
             self.restart_engine(self.engines[clock.index])
             self.clocks[clock.index] = EngineClock(clock.index)  # its new instance is starting until it answers
-            self.replaced += 1
             return None
         self.hung = hang_message(clock, stalled_s, self.watchdog_s, now)
         self.out(f"engine watchdog: {self.hung}")
