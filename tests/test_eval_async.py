@@ -549,13 +549,26 @@ def _trained_texts(audit: str, tokenizer) -> list:
 
 
 @pytest.mark.stack
-def test_async_eval_logs_version_and_wall_clock_and_never_trains_on_eval_prompts(tiny_world, tmp_path):
-    """Async + partial rollouts + interrupt π_prox, 8 steps of 4 prompts, a held-out eval every 2 steps: evals due
-    after steps 2, 4 and 6 (each on the weights the engines hold when it starts, never twice on one step's) and after
-    the final step 8, each labelled with the step whose weights it ran on (the label is eval/weight_version),
-    wall-clock keys increasing, no eval prompt in a trained batch, and no eval stream scored at a sync (the store is
-    empty once the last batch is trained; an eval's 16 streams stayed there before the engine left them out)."""
+def test_async_queue_of_8_evals_label_their_weights_train_no_eval_prompt_and_write_only_their_folders(
+    tiny_world, tmp_path
+):
+    """Async with a queue of 8 rollout batches, partial rollouts, interrupt π_prox and token TIS, 16 steps of 2
+    prompts, a held-out eval every 3 steps. Evals are due after steps 3, 6, 9, 12 and 15 and after the final step 16
+    (not a multiple), each on the weights the engines hold when it starts (the slots that trigger them carry the
+    trainer's step when it freed them, while up to 8 batches were queued), never twice on one step's; each is
+    labelled with the step whose weights it ran on (the label is eval/weight_version), wall-clock keys increase, no
+    eval prompt is in a trained batch, no eval stream is scored at a sync (the store is empty once the last batch is
+    trained; an eval's 16 streams stayed there before the engine left them out), and a best checkpoint is tagged
+    with the step whose weights it holds.
+
+    Started in a working directory that holds a first run's best checkpoint where upstream's default --ckpt.path
+    puts it (./ckpt/checkpoints_ppo_ray/_actor/best_global_step4), with its own --ckpt.output_dir and no
+    --ckpt.path: its checkpoints go under its output folder, and nothing of the first run's is deleted or changed.
+    One run for both stories: each CLI run costs ~40 s of start-up on 2 cores."""
+    import glob
     import json
+    import re
+    import sys
 
     from transformers import AutoTokenizer
 
@@ -566,71 +579,6 @@ def test_async_eval_logs_version_and_wall_clock_and_never_trains_on_eval_prompts
     read = lambda p: [json.loads(line)["input"] for line in open(p)]  # noqa: E731
     eval_prompts, train_prompts = read(heldout), read(tiny_world["prompts"])[:32]
     assert not set(eval_prompts) & set(train_prompts)
-    run_dir = str(tmp_path / "run")
-    os.makedirs(run_dir)
-    audit = os.path.join(run_dir, "audit")
-    args = tiny_args(tiny_world, run_dir, steps_prompts=32) + [
-        "--rollout.batch_size",
-        "4",
-        "--train.batch_size",
-        "16",
-        "--train.async_enable",
-        "--train.partial_rollout_enable",
-        "--algo.prox_mode",
-        "interrupt",
-        "--algo.prox_audit_dir",
-        audit,
-        "--eval.dataset",
-        heldout,
-        "--eval.steps",
-        "2",
-        "--eval.n_samples_per_prompt",
-        "2",
-    ]
-    started = time.time()
-    rc, log = run_cli(args, run_dir, timeout=900)
-    assert rc == 0, log[-4000:]
-    tb = read_tensorboard(run_dir)
-    steps = lambda key: [s for s, _ in tb[key]]  # noqa: E731
-    values = lambda key: [v for _, v in tb[key]]  # noqa: E731
-    labels = steps("eval/eval_default_pass1")
-    assert 2 <= len(labels) <= 4 and labels[-1] == 8 and labels == sorted(set(labels)) and labels[0] >= 2, labels
-    assert values("eval/eval_num_samples") == [16.0] * len(labels)
-    assert steps("eval/weight_version") == labels and values("eval/weight_version") == [float(s) for s in labels]
-    wall, since = values("eval/wall_clock_s"), values("eval/wall_clock_since_step1_s")
-    assert steps("eval/wall_clock_s") == steps("eval/wall_clock_since_step1_s") == labels
-    assert 0 < since[0] < wall[0] and wall == sorted(set(wall)) and since == sorted(set(since))
-    offsets = [w - s for w, s in zip(wall, since)]  # one clock, two origins: a constant offset
-    assert max(offsets) - min(offsets) < 0.01
-    assert wall[-1] < time.time() - started  # counted from this CLI's launch, not from an older time
-    # no eval prompt in a trained batch; every trained sequence starts with a training prompt
-    texts = _trained_texts(audit, AutoTokenizer.from_pretrained(tiny_world["model"]))
-    assert len(texts) == 8 * 16
-    assert not [t for t in texts if any(p in t for p in eval_prompts)]
-    assert all(any(t.startswith(p) for p in train_prompts) for t in texts)
-    # eval streams were not scored at a sync: once the last batch is trained, nothing is left in the store
-    assert values("train/prox/store_entries")[-1] == 0.0
-
-
-@pytest.mark.stack
-def test_async_queue_of_8_labels_evals_by_their_weights_and_writes_only_its_own_folders(tiny_world, tmp_path):
-    """Async with a queue of 8 rollout batches, 16 steps of 2 prompts, an eval every 3 steps, token TIS (so the
-    engines are told versions and each eval logs eval/weight_version): every eval's step label equals the weight
-    version it ran on (the slots that trigger them carry the trainer's step when it freed them, while up to 8
-    batches were queued), the final step 16 is evaluated, and a best checkpoint is tagged with the step whose
-    weights it holds.
-
-    Started in a working directory that holds a first run's best checkpoint where upstream's default --ckpt.path
-    puts it (./ckpt/checkpoints_ppo_ray/_actor/best_global_step4), with its own --ckpt.output_dir and no
-    --ckpt.path: its checkpoints go under its output folder, and nothing of the first run's is deleted or changed."""
-    import glob
-    import re
-    import sys
-
-    from openrlhf_ess.tiny.world import build_prompts
-    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
-
-    heldout = build_prompts(str(tmp_path / "heldout.jsonl"), n=4, seed=1)
     workdir = tmp_path / "workdir"
     first = workdir / "ckpt" / "checkpoints_ppo_ray" / "_actor" / "best_global_step4"
     os.makedirs(first)
@@ -647,13 +595,16 @@ def test_async_queue_of_8_labels_evals_by_their_weights_and_writes_only_its_own_
     before = tree(workdir)
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
+    audit = os.path.join(run_dir, "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=32)
     i = args.index("--ckpt.path")
     args = args[:i] + args[i + 2 :]  # not passed: under --ckpt.output_dir (run/ckpt)
     args += ["--rollout.batch_size", "2", "--train.batch_size", "8", "--train.async_enable"]
-    args += ["--train.async_queue_size", "8", "--algo.tis_cap", "2"]
+    args += ["--train.async_queue_size", "8", "--train.partial_rollout_enable", "--algo.tis_cap", "2"]
+    args += ["--algo.prox_mode", "interrupt", "--algo.prox_audit_dir", audit]
     args += ["--eval.dataset", heldout, "--eval.steps", "3", "--eval.n_samples_per_prompt", "2"]
     launcher = ["env", "-C", str(workdir), sys.executable, "-m"]  # the CLI's working directory
+    started = time.time()
     rc, log = run_cli(args, run_dir, timeout=900, launcher=launcher)
     assert rc == 0, log[-4000:]
     own = os.path.join(run_dir, "ckpt", "checkpoints_ppo_ray")
@@ -662,13 +613,27 @@ def test_async_queue_of_8_labels_evals_by_their_weights_and_writes_only_its_own_
     assert "evals at steps 3, 6, 9, 12, 15, 16 of 16 steps (32 prompts / --rollout.batch_size 2" in log
 
     tb = read_tensorboard(run_dir)
-    labels = [s for s, _ in tb["eval/eval_default_pass1"]]
-    versions = tb["eval/weight_version"]
-    assert [s for s, _ in versions] == labels and [v for _, v in versions] == [float(s) for s in labels], versions
+    steps = lambda key: [s for s, _ in tb[key]]  # noqa: E731
+    values = lambda key: [v for _, v in tb[key]]  # noqa: E731
+    labels = steps("eval/eval_default_pass1")
     # an eval due at 3, 6, ... runs on the weights the engines hold when it starts (the trainer, with up to 8
     # batches queued, may be several syncs ahead), never twice on one step's; then the final step 16
-    assert labels[-1] == 16 and labels == sorted(set(labels)) and labels[0] >= 3, labels
-    assert 2 <= len(labels) <= 6, labels
+    assert 2 <= len(labels) <= 6 and labels[-1] == 16 and labels == sorted(set(labels)) and labels[0] >= 3, labels
+    assert values("eval/eval_num_samples") == [16.0] * len(labels)  # 8 held-out prompts x 2 samples
+    assert steps("eval/weight_version") == labels and values("eval/weight_version") == [float(s) for s in labels]
+    wall, since = values("eval/wall_clock_s"), values("eval/wall_clock_since_step1_s")
+    assert steps("eval/wall_clock_s") == steps("eval/wall_clock_since_step1_s") == labels
+    assert 0 < since[0] < wall[0] and wall == sorted(set(wall)) and since == sorted(set(since))
+    offsets = [w - s for w, s in zip(wall, since)]  # one clock, two origins: a constant offset
+    assert max(offsets) - min(offsets) < 0.01
+    assert wall[-1] < time.time() - started  # counted from this CLI's launch, not from an older time
+    # no eval prompt in a trained batch; every trained sequence starts with a training prompt
+    texts = _trained_texts(audit, AutoTokenizer.from_pretrained(tiny_world["model"]))
+    assert len(texts) == 16 * 8  # 16 steps of 2 prompts x 4 samples
+    assert not [t for t in texts if any(p in t for p in eval_prompts)]
+    assert all(any(t.startswith(p) for p in train_prompts) for t in texts)
+    # eval streams were not scored at a sync: once the last batch is trained, nothing is left in the store
+    assert values("train/prox/store_entries")[-1] == 0.0
     # the best checkpoint: one (the previous best rotated away), in its own folder, tagged with the step whose
     # weights it holds: the evaluated one, or the later one a line names
     (best,) = glob.glob(os.path.join(own, "_actor", "best_global_step*"))
