@@ -24,6 +24,11 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def stream():
+    """The stream a PyNccl call (upstream's weight sync group) is given: the current CUDA stream, else None."""
+    return torch.cuda.current_stream() if torch.cuda.is_available() else None
+
+
 def is_multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 

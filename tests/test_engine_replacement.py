@@ -97,7 +97,6 @@ def _args(**over):
     [
         ({"vllm": {"max_restarts": -1}}, "--vllm.max_restarts must be >= 0"),
         ({"vllm": {"num_engines": 0}}, "it needs --vllm.num_engines >= 1"),
-        ({"vllm": {"sync_backend": "nccl"}}, "Use --vllm.sync_backend reload, or --vllm.max_restarts 0"),
         ({"algo": {"prox_mode": "interrupt"}}, "Use --algo.prox_mode snapshot (exact as well, kept on the trainer)"),
         ({"algo": {"prox_mode": "dedicated"}}, "a dead engine's streams die with it"),
         ({"vllm": {"enable_sleep": True}}, "Drop --vllm.enable_sleep, or --vllm.max_restarts 0"),

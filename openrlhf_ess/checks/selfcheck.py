@@ -282,6 +282,19 @@ def canary_skipped(args) -> Optional[str]:
     return None
 
 
+def regroup_probe_due(args) -> bool:
+    """Whether the start-up self-check forms the weight sync group a second time and probes it, as an engine
+    replacement will (``weight_sync.py::WeightSync.startup_regroup_probe``): --vllm.max_restarts with upstream's
+    NCCL/gloo group on GPUs (not with CUDA IPC, which has no group; the reload backend needs none)."""
+    from openrlhf_ess import config
+
+    vllm = args.vllm
+    if not (getattr(vllm, "max_restarts", 0) > 0 and vllm.num_engines and vllm.sync_backend in ("nccl", "gloo")):
+        return False
+    cuda_ipc = vllm.sync_backend == "nccl" and args.train.colocate_all and not args.train.async_enable
+    return not cuda_ipc and config.on_cuda(args)
+
+
 # ------------------------------------------------------------------------------------------------ driver
 
 
@@ -312,6 +325,8 @@ def run(args, groups: Dict[str, Optional[list]], log=print) -> List[str]:
         )
     elif why_not:
         lines.append(f"engine canary: not run ({why_not})")
+    if actor and regroup_probe_due(args):
+        lines.append(ray.get(actor[0].selfcheck_regroup.remote()))
     canary = time.monotonic() - start - trainer_side
     lines.append(
         f"took {trainer_side:.1f} s + {canary:.1f} s for the canary, which first waits for the engines to finish "

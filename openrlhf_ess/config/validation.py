@@ -581,11 +581,11 @@ def _validate_replacement(args: types.SimpleNamespace) -> None:
     if not args.vllm.num_engines:
         raise ConfigError("--vllm.max_restarts replaces vLLM engines: it needs --vllm.num_engines >= 1.")
     why = None
-    if args.vllm.sync_backend != RELOAD_BACKEND:
+    if args.vllm.sync_backend != RELOAD_BACKEND and getattr(args.vllm, "sync_with_ray", False):
         why = (
-            f"with --vllm.sync_backend {args.vllm.sync_backend} a restarted engine would have to join the NCCL/gloo "
-            "group that upstream forms once, at start-up, with every engine and the trainer's rank 0; replacement "
-            "gives it the weights through Ray instead. Use --vllm.sync_backend reload"
+            "--vllm.sync_with_ray makes the weight sync group a Ray collective group under upstream's one fixed "
+            "name, which cannot be formed again with a restarted engine in it. Drop --vllm.sync_with_ray (the "
+            "group is then formed again, on a new port, after a restart)"
         )
     elif args.algo.prox_mode in SCORE_AT_SYNC_MODES:
         why = (

@@ -66,6 +66,14 @@ def checksum(t: torch.Tensor) -> Checksum:
 HEAD_PROBE_COLUMNS = 8  # one-hot hidden states the engine's tied LM head is applied to (see applied_head_checksum)
 
 
+def bytes_digest(t: torch.Tensor) -> str:
+    """The sha256 of a tensor's bytes (moved to the host, contiguous): equal on both sides of a transfer exactly when
+    every bit arrived (the start-up probe of a re-formed weight sync group, ``WeightSync.startup_regroup_probe``)."""
+    import hashlib
+
+    return hashlib.sha256(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def applied_name(head: str) -> str:
     """The name under which a tied LM head is compared by what it computes: ``lm_head.weight[applied]``."""
     return f"{head}.weight[applied]"

@@ -14,9 +14,11 @@ How, in four parts:
   engine and is never trained), and returns once.
 - **The keeper holds the weights a new engine needs.** With replacement on, the reload sync puts its safetensors
   messages in Ray's object store once (every engine loads the same objects) and gives them to this actor *before*
-  the engines load them, with the version they become. A restarted engine's ``__init__`` (Ray's
-  ``was_current_actor_reconstructed``) loads them, and the version, before it serves a call. Cost: one host copy of
-  the model in Ray's object store on the trainer's rank-0 node, kept from one sync to the next.
+  the engines load them, with the version they become; upstream's NCCL/gloo sync keeps the same set before its
+  broadcast (``WeightSync.broadcast_replaceable``) and forms its group again at the next sync after a restart. A
+  restarted engine's ``__init__`` (Ray's ``was_current_actor_reconstructed``) loads them, and the version, before it
+  serves a call. Cost: one host copy of the model in Ray's object store on the trainer's rank-0 node, kept from one
+  sync to the next.
 - **The budget.** ``N`` restarts for the whole run, over all engines. A restart past it is refused in the new engine's
   ``__init__``: the actor stays dead, its calls fail, and the run stops with every failure named in order.
 - **The check.** A replaced engine's samples are not trained until the weight sync check (per-tensor checksums taken
@@ -148,6 +150,11 @@ class EngineKeeperImpl:
 
     def budget_left(self) -> int:
         return self.max_restarts - self._used()
+
+    def used(self) -> int:
+        """Restarts begun or done so far: rank 0 forms its NCCL/gloo group again when this grew since it last did
+        (``WeightSync.regroup_if_replaced``)."""
+        return self._used()
 
     def unverified(self) -> List[int]:
         """Replaced engines the trainer has not checked since; the list is emptied (the caller checks them now)."""

@@ -191,6 +191,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         check runs here too, while the controller holds the engines' weights awake (WeightSync.after_sync)."""
         if self.strategy.args.vllm.sync_backend == config.RELOAD_BACKEND:
             self.weight_sync.push()
+        elif self.args.vllm.max_restarts > 0:  # replacement with upstream's broadcast (trainer/ray/engine_keeper.py)
+            self.weight_sync.broadcast_replaceable(super().broadcast_to_vllm)
         else:
             super().broadcast_to_vllm()
         self.advance_version()
@@ -234,6 +236,11 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
     def check_replaced_engines(self):
         """Engine replacement (all ranks): the sync check on every engine now (``WeightSync.check_replaced``)."""
         return self.trainer.weight_sync.check_replaced()
+
+    def selfcheck_regroup(self):
+        """Start-up self-check (rank 0; ``selfcheck.py``): the weight sync group formed again and probed, as after an
+        engine replacement with NCCL/gloo (``WeightSync.startup_regroup_probe``)."""
+        return self.trainer.weight_sync.startup_regroup_probe()
 
     def selfcheck_canary(self):
         """Start-up self-check (all ranks; ``selfcheck.py``): engines vs trainer on the canary before any sync."""

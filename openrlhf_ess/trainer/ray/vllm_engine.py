@@ -403,6 +403,11 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
 
     # ---- replacement (--vllm.max_restarts; trainer/ray/engine_keeper.py) ----------------------------------------
 
+    async def probe_sync_group(self, numel: int) -> List[str]:
+        """Start-up self-check of a re-formed weight sync group (replacement with NCCL/gloo): each worker's digest
+        of one broadcast probe (``vllm_worker_wrap.WorkerWrap.probe_sync_group``)."""
+        return await self.llm.collective_rpc("probe_sync_group", args=(numel,))
+
     async def _hello_keeper(self) -> Optional[Dict[str, Any]]:
         """Tell the keeper this engine is starting; on a restart by Ray, what to load (None on a first start).
         Raises past the run's restart budget, so that Ray leaves the actor dead and the run stops."""

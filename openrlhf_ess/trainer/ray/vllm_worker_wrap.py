@@ -321,6 +321,30 @@ class WorkerWrap(_UpstreamWorkerWrap):
             if isinstance(m, LogitsProcessor)
         ]
 
+    def init_process_group(self, *args, **kwargs):
+        """Upstream's join of the trainer's weight sync group, leaving the group this worker was in first.
+
+        Upstream overwrites the old group without tearing it down. With engine replacement the group is formed
+        again after a restart (``WeightSync.regroup``), and the old one holds a dead member: its NCCL communicator
+        is aborted first (vLLM's ``PyNcclCommunicator.destroy``, ``ncclCommAbort`` bounded at 5 s, safe with a dead
+        peer), as rank 0 aborts its own, so that no stale communicator stays beside the new one."""
+        old = getattr(self, "_model_update_group", None)
+        destroy = getattr(old, "destroy", None)
+        if callable(destroy):
+            destroy()
+        return super().init_process_group(*args, **kwargs)
+
+    def probe_sync_group(self, numel: int) -> str:
+        """Start-up self-check of a re-formed weight sync group (``WeightSync.startup_regroup_probe``): receive one
+        broadcast of ``numel`` float32 values from the trainer's rank 0 as ``update_weight`` receives a weight, without
+        loading it; return the sha256 of the bytes received."""
+        from openrlhf_ess import distributed
+        from openrlhf_ess.trainer.sync_check import bytes_digest
+
+        received = torch.empty(numel, dtype=torch.float32, device=distributed.device())
+        self._model_update_group.broadcast(received, src=0, stream=distributed.stream())
+        return bytes_digest(received)  # its copy to the host waits for the broadcast on that stream
+
     def stage_weights_from_safetensors(self, blob: bytes) -> int:
         """Stage one message of a sync that spans several (all but its last); returns its tensor count."""
         staged = getattr(self, "_staged_weights", None)
