@@ -237,6 +237,15 @@ def _inflight():
     return _ENGINE[0].output_processor.get_num_unfinished_requests() if _ENGINE else 0  # 0: pre-flight's dry call
 
 
+def _engine_process(p):
+    # a child of the engine actor to signal: not multiprocessing's resource tracker, nor one that has exited (a
+    # zombie until its parent reaps it, which has no command line)
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
 def reward_func(queries, prompts, labels):
     _inflight()
     for n, (after, kind) in enumerate(KILLS):
@@ -248,7 +257,7 @@ def reward_func(queries, prompts, labels):
             f.write(f"{{n}} {{os.getpid()}} {{inflight}}\\n")
         if not inflight:
             break
-        below = [p for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())]
+        below = [p for p in psutil.Process().children() if _engine_process(p)]
         with open(marker, "w") as f:
             f.write(f"{{kind}} {{os.getpid()}} {{inflight}} " + " ".join(str(p.pid) for p in below))
         if kind == "actor":
@@ -263,8 +272,9 @@ def reward_func(queries, prompts, labels):
 N_PROMPTS = 24  # three steps of 8 prompts (4 samples each)
 
 
-def _replacement_run(tiny_world, tmp_path, max_restarts: int, kills, flags=()):
-    """The tiny run (three steps) with ``kills`` [(audit file, kind)] made by its reward function (above)."""
+def _replacement_run(tiny_world, tmp_path, max_restarts: int, kills, flags=(), n_prompts=N_PROMPTS):
+    """The tiny run (``n_prompts`` / 8 steps) with ``kills`` [(audit file, kind)] made by its reward function
+    (above)."""
     from tests.helpers.e2e import tiny_args
     from tests.helpers.faults import run_cli_tracked
 
@@ -272,7 +282,7 @@ def _replacement_run(tiny_world, tmp_path, max_restarts: int, kills, flags=()):
     reward = os.path.join(run_dir, "reward.py")
     with open(reward, "w") as f:
         f.write(KILL_ENGINE_REWARD.format(kills=kills, run_dir=run_dir, audit=audit))
-    args = tiny_args(tiny_world, run_dir, steps_prompts=N_PROMPTS)
+    args = tiny_args(tiny_world, run_dir, steps_prompts=n_prompts)
     args[args.index("--reward.remote_url") + 1] = reward
     # responses of up to 48 tokens end at different steps, so some are still generating when the first are scored
     args[args.index("--rollout.max_new_tokens") + 1] = "48"
@@ -330,24 +340,33 @@ def test_an_engine_killed_mid_rollout_twice_is_replaced_and_every_prompt_is_trai
 
 @pytest.mark.real_stack
 @pytest.mark.slow
-def test_async_partial_rollouts_survive_the_same_two_kills_with_every_prompt_trained_once(tiny_world, tmp_path):
-    """The stack tier's two kills (the actor, then the engine core, each mid-rollout), in async training with partial
+def test_async_partial_rollouts_survive_a_kill_of_each_kind_and_a_hang_with_every_prompt_trained_once(
+    tiny_world, tmp_path
+):
+    """The sync test's two kills (the actor, then the engine core, each mid-rollout) and then a hang (the engine's
+    vLLM processes SIGSTOPped with requests in flight, found by the watchdog), in async training with partial
     rollouts and snapshot π_prox (our controllers, the generator in its own actor, syncs that pause the engine with
-    requests in flight): the run completes, both engines replaced and checked, each prompt trained exactly once."""
+    requests in flight), four steps: the run completes, the three engines replaced (the hang named by the watchdog)
+    and checked, each prompt trained exactly once, nothing left."""
     from transformers import AutoTokenizer
 
     from tests.test_resume import _prompt_texts, _trained
 
-    kills = [("batch_v0.pt", "actor"), ("batch_v1.pt", "core")]
+    kills = [("batch_v0.pt", "actor"), ("batch_v1.pt", "core"), ("batch_v2.pt", "stop")]
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.prox_mode", "snapshot"]
-    run, audit, killed = _replacement_run(tiny_world, tmp_path, 2, kills, flags=flags)
+    flags += ["--vllm.watchdog_s", "10"]
+    run, audit, killed = _replacement_run(tiny_world, tmp_path, 3, kills, flags=flags, n_prompts=32)
     assert not run.timed_out and run.rc == 0, run.log[-6000:]
-    assert len([line for line in run.log.splitlines() if "engine replaced: engine 0" in line]) == 2, run.log[-6000:]
+    replaced = [line for line in run.log.splitlines() if "engine replaced: engine 0" in line]
+    assert len(replaced) == 3, run.log[-6000:]
+    pid2 = killed[2][1]
+    assert f"(pid {pid2}): the vLLM engine 0 (RolloutRayActorImpl, pid {pid2}) hung" in replaced[2], replaced
     assert len([line for line in run.log.splitlines() if "(checksums now, canary) passed" in line]) >= 1
     tokenizer = AutoTokenizer.from_pretrained(tiny_world["model"])
-    prompts = _prompt_texts(tiny_world["prompts"], N_PROMPTS)
+    prompts = _prompt_texts(tiny_world["prompts"], 32)
     assert _trained(audit, tokenizer, list(prompts)) == collections.Counter({p: 4 * n for p, n in prompts.items()})
     assert not run.leftovers, run.leftovers
+    assert not run.shm_left, f"/dev/shm files of the run left behind: {run.shm_left}"
 
 
 @pytest.mark.real_stack
