@@ -24,14 +24,15 @@ def _keeper(n=2):
 def test_a_restart_gets_the_last_syncs_weights_and_version_within_the_budget():
     keeper = _keeper(2)
     assert keeper.hello(0, 100, reconstructed=False) == {"allowed": True}
-    keeper.put_weights(3, ["ref-a", "ref-b"])
+    canary = {"ids": [5, 6], "log_probs": [-1.0], "tol": 0.5, "rel_tol": 0.1}
+    keeper.put_weights(3, ["ref-a", "ref-b"], canary)
     told = keeper.hello(0, 200, reconstructed=True)
-    assert told == {"allowed": True, "version": 3, "refs": ["ref-a", "ref-b"]}
+    assert told == {"allowed": True, "version": 3, "refs": ["ref-a", "ref-b"], "canary": canary}
     assert keeper.restarting() == [0] and keeper.budget_left() == 1
-    line = keeper.rejoined(0, 200, 3, 31.5)
+    line = keeper.rejoined(0, 200, 3, 31.5, canary=0.0012)
     assert line == (
         "engine 0 (pid 100): its actor process died (a signal, a crash, or the kernel's memory killer); replaced "
-        "by pid 200 at weight version 3 in 31.5 s"
+        "by pid 200 at weight version 3 in 31.5 s, its canary 1.20e-03 nats from the trainer's"
     )
     assert keeper.restarting() == [] and keeper.unverified() == [0] and keeper.unverified() == []
 
@@ -70,6 +71,49 @@ def test_a_restart_past_the_budget_is_refused_and_every_failure_is_named_in_orde
         "replaced: --vllm.max_restarts 1 restart(s) already used"
     )
     assert keeper.budget_left() == 0
+
+
+def _restarted_engine(engine_log_probs, keeper):
+    """Our engine actor as ``_rejoin`` sees it after the load: its canary answer and the keeper's handle."""
+    import asyncio
+
+    from openrlhf_ess.trainer.ray.vllm_engine import RolloutRayActorImpl
+
+    engine = object.__new__(RolloutRayActorImpl)
+    engine.engine_index, engine.weight_version = 0, 3
+
+    async def prompt_log_probs(ids):
+        return list(engine_log_probs)
+
+    async def answered(value):
+        return value
+
+    engine.prompt_log_probs = prompt_log_probs
+    engine._keeper = types.SimpleNamespace(
+        not_replaced=types.SimpleNamespace(remote=lambda i, why: answered(keeper.not_replaced(i, why)))
+    )
+    return lambda reference: asyncio.run(engine._check_rejoined(reference))
+
+
+def test_a_restarted_engine_checks_its_canary_against_the_trainers_before_it_serves():
+    """The trainer's log-probs of the canary under the synced weights (kept with them) against the restarted
+    engine's: rounding passes and returns the mean |diff| (by hand: 0.001); an engine 0.2 nats off on every token
+    (other weights) fails, its restart is named as not replaced with the numbers, and it does not serve. Before
+    the first sync there is no reference, and nothing to check."""
+    keeper = _keeper(2)
+    keeper.hello(0, 100, reconstructed=False)
+    keeper.hello(0, 200, reconstructed=True)
+    trainer = [-2.0, -0.5, -3.0, -1.25]
+    reference = {"ids": [1, 2, 3, 4, 5], "log_probs": trainer, "tol": 0.05, "rel_tol": 0.1}
+    check = _restarted_engine([x + 0.001 for x in trainer], keeper)
+    assert check(reference) == pytest.approx(0.001, abs=1e-6)  # float32 log-probs, as the engine returns them
+    assert check(None) is None
+    check = _restarted_engine([x - 0.2 for x in trainer], keeper)
+    with pytest.raises(RuntimeError, match=r"vLLM engine 0 restarted and its canary log-probs at weight version 3 "):
+        check(reference)
+    line = engine_keeper.history_text(keeper.history())
+    assert "not replaced: its canary log-probs at weight version 3 are 0.200 nats (mean |diff|; " in line, line
+    assert "above --vllm.sync_check_tol 0.05 or --vllm.sync_check_rel_tol 0.1" in line, line
 
 
 def test_a_restart_that_fails_to_start_is_named_as_such():
@@ -210,78 +254,18 @@ def test_an_engine_that_ray_is_restarting_is_not_timed():
 
 # ---------------------------------------------------------------- the real stack
 
-# A reward file for --reward.remote_url (upstream calls it inside the engine actor). It kills the engine at points
-# read from the run's own progress on disk, not the clock: the audit trail's batch_v0.pt (step 1's batch made: the
-# next reward calls are the second rollout's) and batch_v1.pt (the third rollout's). Each kill happens only while
-# requests are in flight in the engine's vLLM (found by the garbage collector: test-only), once (a marker file, as
-# the restarted engine imports this file again). Kind "actor": SIGKILL of the engine actor's own process (this one);
-# "core": SIGKILL of its vLLM engine core (the processes below it), the actor lives on; "stop": SIGSTOP of them (a
-# stuck kernel or a deadlock as the engine's own processes see it: only the watchdog finds it).
-KILL_ENGINE_REWARD = """
-import gc
-import os
-import signal
-
-import psutil
-import torch
-
-KILLS = {kills!r}  # [(the audit file that must exist, kind)]
-
-
-_ENGINE = []
-
-
-def _inflight():
-    if not _ENGINE:  # found once, at the first call (a search of the heap takes longer than a tiny rollout)
-        _ENGINE.extend(obj for obj in gc.get_objects() if type(obj).__name__ == "AsyncLLM")
-    return _ENGINE[0].output_processor.get_num_unfinished_requests() if _ENGINE else 0  # 0: pre-flight's dry call
-
-
-def _engine_process(p):
-    # a child of the engine actor to signal: not multiprocessing's resource tracker, nor one that has exited (a
-    # zombie until its parent reaps it, which has no command line)
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
-    except psutil.Error:
-        return False
-
-
-def reward_func(queries, prompts, labels):
-    _inflight()
-    for n, (after, kind) in enumerate(KILLS):
-        marker = os.path.join({run_dir!r}, f"killed{{n}}")
-        if os.path.exists(marker) or not os.path.exists(os.path.join({audit!r}, after)):
-            continue
-        inflight = _inflight()
-        with open(os.path.join({run_dir!r}, "looks"), "a") as f:  # what each look found, for the test's report
-            f.write(f"{{n}} {{os.getpid()}} {{inflight}}\\n")
-        if not inflight:
-            break
-        below = [p for p in psutil.Process().children() if _engine_process(p)]
-        with open(marker, "w") as f:
-            f.write(f"{{kind}} {{os.getpid()}} {{inflight}} " + " ".join(str(p.pid) for p in below))
-        if kind == "actor":
-            os.kill(os.getpid(), signal.SIGKILL)
-        for p in below:
-            p.send_signal(signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
-        break
-    rewards = torch.tensor([0.5] * len(queries))
-    return {{"rewards": rewards, "scores": rewards, "extra_logs": {{}}}}
-"""
-
 N_PROMPTS = 24  # three steps of 8 prompts (4 samples each)
 
 
 def _replacement_run(tiny_world, tmp_path, max_restarts: int, kills, flags=(), n_prompts=N_PROMPTS):
     """The tiny run (``n_prompts`` / 8 steps) with ``kills`` [(audit file, kind)] made by its reward function
-    (above)."""
+    (``benchmarks/engine_restart.py::KILL_ENGINE_REWARD``)."""
+    from benchmarks.engine_restart import write_kill_reward
     from tests.helpers.e2e import tiny_args
     from tests.helpers.faults import run_cli_tracked
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
-    reward = os.path.join(run_dir, "reward.py")
-    with open(reward, "w") as f:
-        f.write(KILL_ENGINE_REWARD.format(kills=kills, run_dir=run_dir, audit=audit))
+    reward = write_kill_reward(run_dir, audit, kills)
     args = tiny_args(tiny_world, run_dir, steps_prompts=n_prompts)
     args[args.index("--reward.remote_url") + 1] = reward
     # responses of up to 48 tokens end at different steps, so some are still generating when the first are scored

@@ -47,11 +47,27 @@ def _gloo_single_process():
 
 
 class TinyLM(torch.nn.Module):
+    """An HF-like causal LM: ``config.vocab_size``, ``model(input_ids=, attention_mask=).logits``."""
+
     def __init__(self):
         super().__init__()
         self.config = SimpleNamespace(vocab_size=16)
         self.embed = torch.nn.Embedding(16, 8)
         self.head = torch.nn.Linear(8, 16, bias=False)
+
+    def forward(self, input_ids, attention_mask=None):
+        return SimpleNamespace(logits=self.head(torch.tanh(self.embed(input_ids))))
+
+
+class DeepSpeedLike(torch.nn.Module):
+    """What ``actor.model`` is in the trainer: a DeepSpeed engine, whose ``.module`` is the HF model."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, **kwargs):
+        return self.module(**kwargs)
 
 
 class Handle:
@@ -143,7 +159,8 @@ def _broadcast(trainer):
 def make_trainer(monkeypatch, *, max_restarts=2, cuda_ipc=False, watchdog_s=0.0):
     vllm = SimpleNamespace(
         sync_backend="nccl",
-        sync_check_tol=0.0,
+        sync_check_tol=0.05,
+        sync_check_rel_tol=0.1,
         sync_with_ray=False,
         enable_sleep=False,
         max_restarts=max_restarts,
@@ -155,7 +172,7 @@ def make_trainer(monkeypatch, *, max_restarts=2, cuda_ipc=False, watchdog_s=0.0)
     trainer = object.__new__(ActorPPOTrainer)  # our methods, without upstream's init (DeepSpeed, replay buffer)
     trainer.args = args
     trainer.strategy = SimpleNamespace(args=args)
-    trainer.actor = SimpleNamespace(model=SimpleNamespace(module=TinyLM()))
+    trainer.actor = SimpleNamespace(model=DeepSpeedLike(TinyLM()))
     trainer.weight_version = 0
     trainer.prox = SimpleNamespace(after_sync=lambda version: None)
     trainer.use_cuda_ipc = cuda_ipc
@@ -168,9 +185,9 @@ def make_trainer(monkeypatch, *, max_restarts=2, cuda_ipc=False, watchdog_s=0.0)
     trainer.keeper_impl = keeper
     put = keeper.put_weights
 
-    def put_weights(version, refs):
+    def put_weights(version, refs, canary=None):
         trainer.order.append(("kept", version))
-        put(version, refs)
+        put(version, refs, canary)
 
     keeper.put_weights = put_weights
     monkeypatch.setattr(engine_keeper, "find", lambda: Handle(keeper))
@@ -215,6 +232,14 @@ def test_each_sync_keeps_the_weights_it_sends_before_any_engine_takes_them(monke
         kept, ours = _kept_state(trainer.keeper_impl), _trainer_state(trainer)
         assert kept.keys() == ours.keys() and all(torch.equal(kept[n], ours[n]) for n in ours)
         assert trainer.keeper_impl.version == trainer.weight_version == step + 1
+        # the canary a restarted engine checks itself against: the synced weights' log-probs of its tokens, here
+        # from the kept tensors by hand (embedding, tanh, head, log-softmax in float64)
+        reference = trainer.keeper_impl.canary
+        ids = torch.tensor(reference["ids"])
+        logits = torch.tanh(kept["embed.weight"].double()[ids]) @ kept["head.weight"].double().T
+        expected = torch.log_softmax(logits, -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+        assert len(ids) == weight_sync.SYNC_CANARY_TOKENS and (reference["tol"], reference["rel_tol"]) == (0.05, 0.1)
+        assert torch.allclose(torch.tensor(reference["log_probs"], dtype=torch.float64), expected, atol=1e-5)
     assert trainer.groups_formed == 1  # no restart: upstream's one group throughout
 
 

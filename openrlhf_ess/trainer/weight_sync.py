@@ -158,6 +158,7 @@ class WeightSync:
 
         rank0 = torch.distributed.get_rank() == 0
         dedicated = self.args.algo.prox_mode == "dedicated"  # the dedicated model is sent the same messages next
+        reference = self.canary_reference() if self.args.vllm.max_restarts > 0 else None
         named = ((name, param.data) for name, param in gathered_one_by_one(self.synced_params(), self._zero3))
         if not rank0:
             for _ in named:  # every rank takes part in each gather
@@ -165,7 +166,7 @@ class WeightSync:
             if dedicated:
                 self._blob_for_dedicated = (None,)
         elif self.args.vllm.max_restarts > 0:
-            self._push_kept(named, dedicated)
+            self._push_kept(named, dedicated, reference)
         else:
             engines, checks, kept = self.trainer.vllm_engines, self.args.vllm.sync_check_tol > 0, []
             for blob, last in weight_messages(named):
@@ -181,20 +182,23 @@ class WeightSync:
                 self._blob_for_dedicated = (kept,)
         torch_dist_barrier_and_cuda_sync()
 
-    def _push_kept(self, named, dedicated: bool) -> None:
+    def _push_kept(self, named, dedicated: bool, reference: Optional[Dict[str, object]]) -> None:
         """The reload sync with engine replacement on (rank 0; ``trainer/ray/engine_keeper.py``): the messages are
         kept for a restarted engine (:meth:`_keep`), then every engine loads the whole set in one call that Ray may
         send again to a restarted engine (``load_weights_from_refs``)."""
-        refs, version = self._keep(named, dedicated)
+        refs, version = self._keep(named, reference, dedicated)
         checks, engines = self.args.vllm.sync_check_tol > 0, self.trainer.vllm_engines
         loaded = ray.get([engine.load_weights_from_refs.remote(refs, checks, version) for engine in engines])
         if checks:
             self._loaded_engine_checksums = [(r["checksums"], r["checksum_seconds"]) for r in loaded]
 
-    def _keep(self, named, dedicated: bool = False) -> Tuple[List[object], int]:
+    def _keep(
+        self, named, reference: Optional[Dict[str, object]], dedicated: bool = False
+    ) -> Tuple[List[object], int]:
         """Rank 0, before a sync reaches any engine (replacement on): each safetensors message of the weights is put
-        in Ray's object store once, and the keeper is given them with the version they become, so that an engine
-        restarted from now on loads this set. Returns the refs and that version. Cost: the model's bytes in the
+        in Ray's object store once, and the keeper is given them with the version they become and the trainer's
+        canary ``reference`` (:meth:`canary_reference`), so that an engine restarted from now on loads this set and
+        checks itself before it serves. Returns the refs and that version. Cost: the model's bytes in the
         object store, kept until the next sync replaces them (a restart may need them until then)."""
         from openrlhf_ess.trainer.ray import engine_keeper
         from openrlhf_ess.trainer.ray.vllm_worker_wrap import weight_messages
@@ -205,7 +209,7 @@ class WeightSync:
             if dedicated:
                 kept.append(blob)
         version = self.trainer.weight_version + 1
-        ray.get(engine_keeper.find().put_weights.remote(version, refs))
+        ray.get(engine_keeper.find().put_weights.remote(version, refs, reference))
         if dedicated:
             self._blob_for_dedicated = (kept,)
         return refs, version
@@ -222,13 +226,13 @@ class WeightSync:
         Cost per sync: one more pass over the weights, gathered one parameter at a time under ZeRO-3 (like the
         broadcast's), their copy to rank 0's host, and the model's bytes in its node's object store (M + 3·m, as
         pre-flight counts)."""
-        rank0 = torch.distributed.get_rank() == 0
+        reference = self.canary_reference()
         named = ((name, param.data) for name, param in gathered_one_by_one(self.synced_params(), self._zero3))
-        if not rank0:
+        if torch.distributed.get_rank() != 0:
             for _ in named:  # every rank takes part in each gather
                 pass
             return
-        self._keep(named)
+        self._keep(named, reference)
 
     def broadcast_replaceable(self, broadcast) -> None:
         """Upstream's NCCL/gloo (or CUDA IPC) sync ``broadcast`` with replacement on (all ranks): the weights kept
@@ -509,16 +513,33 @@ class WeightSync:
             )
         return diff
 
-    def _check_canary(self, startup: bool = False) -> None:
-        t0 = time.time()
-        model = self.trainer.actor.model
-        vocab = model.module.config.vocab_size
+    def _canary_log_probs(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The fixed canary's ids [1, T] and the trainer's log-probs of them under the weights it holds now (all ranks:
+        ZeRO-3 gathers; None on ranks other than 0)."""
+        vocab = self.trainer.actor.model.module.config.vocab_size
         g = torch.Generator().manual_seed(1234)
         ids = torch.randint(min(4, vocab - 1), vocab, (1, SYNC_CANARY_TOKENS), generator=g)
         logits = self._eval_logits(ids)
         if torch.distributed.get_rank() != 0:
+            return ids, None
+        return ids, logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
+
+    def canary_reference(self) -> Optional[Dict[str, object]]:
+        """Replacement on, at each sync (all ranks), before the weights leave: the canary's ids and the trainer's
+        log-probs of them under the weights being synced, with the check's bounds, for the keeper (rank 0; None
+        elsewhere). A restarted engine checks itself against them before it serves (``RolloutRayActorImpl._rejoin``).
+        Cost: one forward of 32 tokens per sync."""
+        ids, ours = self._canary_log_probs()
+        if ours is None:
+            return None
+        tol, rel_tol = self.args.vllm.sync_check_tol, rel_tolerance(self.args)
+        return {"ids": ids[0].tolist(), "log_probs": ours.tolist(), "tol": tol, "rel_tol": rel_tol}
+
+    def _check_canary(self, startup: bool = False) -> None:
+        t0 = time.time()
+        ids, ours = self._canary_log_probs()
+        if ours is None:
             return
-        ours = logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None].to(logits.device))[:, 0].cpu()
         engines = self.trainer.vllm_engines
         with self._engines_can_generate(engines):
             theirs = ray.get([engine.prompt_log_probs.remote(ids[0].tolist()) for engine in engines])

@@ -49,6 +49,8 @@ def restart_line(event: Dict[str, Any], requeued: bool = True) -> str:
     if event.get("new_pid") is None:
         return line + f"; not replaced: {event.get('refused', 'the restart failed')}"
     line += f"; replaced by pid {event['new_pid']} at weight version {event['version']} in {event['seconds']:.1f} s"
+    if event.get("canary") is not None:
+        line += f", its canary {event['canary']:.2e} nats from the trainer's"
     return line + (f" ({event['requeued']} request(s) sent again)" if requeued else "")
 
 
@@ -83,6 +85,7 @@ class EngineKeeperImpl:
         self.max_restarts = int(max_restarts)
         self.version = 0
         self.refs: List[Any] = []  # the last sync's safetensors messages, in order (the last one loads)
+        self.canary: Optional[Dict[str, Any]] = None  # the trainer's canary log-probs of those weights, and bounds
         self.pids: Dict[int, int] = {}
         self.events: List[Dict[str, Any]] = []  # failures in order (restart_line)
         self.causes: Dict[int, str] = {}  # engine -> why it was stopped (the watchdog's message), until it is back
@@ -92,10 +95,10 @@ class EngineKeeperImpl:
 
     # ---- weights ----------------------------------------------------------------------------------------------
 
-    def put_weights(self, version: int, refs: List[Any]) -> None:
-        """Rank 0's reload sync, before the engines load them: the messages of ``version`` (their refs, in a list
-        so Ray hands them over as refs)."""
-        self.version, self.refs = int(version), list(refs)
+    def put_weights(self, version: int, refs: List[Any], canary: Optional[Dict[str, Any]] = None) -> None:
+        """Rank 0's sync, before the engines get them: the messages of ``version`` (their refs, in a list so Ray
+        hands them over as refs) and the trainer's canary under them (``WeightSync.canary_reference``)."""
+        self.version, self.refs, self.canary = int(version), list(refs), canary
 
     # ---- engines ----------------------------------------------------------------------------------------------
 
@@ -113,12 +116,14 @@ class EngineKeeperImpl:
             event["refused"] = f"--vllm.max_restarts {self.max_restarts} restart(s) already used"
             return {"allowed": False, "history": history_text(self.events), "max_restarts": self.max_restarts}
         event.update(restarting=True, started=time.time())
-        return {"allowed": True, "version": self.version, "refs": self.refs}
+        return {"allowed": True, "version": self.version, "refs": self.refs, "canary": self.canary}
 
-    def rejoined(self, engine: int, pid: int, version: int, seconds: float) -> str:
-        """A restarted engine holds ``version`` and is about to serve: its event is complete."""
+    def rejoined(self, engine: int, pid: int, version: int, seconds: float, canary: Optional[float] = None) -> str:
+        """A restarted engine holds ``version``, passed the canary (its mean |Δ log p| against the trainer's, None
+        before the first sync) and is about to serve: its event is complete."""
         event = next(e for e in reversed(self.events) if e["engine"] == engine and e.get("restarting"))
         event.update(new_pid=pid, version=int(version), seconds=float(seconds), requeued=0, restarting=False)
+        event["canary"] = canary
         self.unchecked.append(engine)
         line = restart_line(event, requeued=False)
         print(f"[openrlhf-ess] engine replaced: {line}", flush=True)
@@ -136,6 +141,13 @@ class EngineKeeperImpl:
                     break
         else:
             seen.add(task_id)
+
+    def not_replaced(self, engine: int, why: str) -> None:
+        """A restarted engine's ``__init__`` failed on purpose (its canary): named in its failure's line."""
+        for event in reversed(self.events):
+            if event["engine"] == engine and event.get("restarting"):
+                event["refused"] = why
+                return
 
     def stopping(self, engine: int, cause: str) -> None:
         """Why an engine is about to go (the watchdog kills a hung one; an engine whose core died ends itself), for

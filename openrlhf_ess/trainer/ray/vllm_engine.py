@@ -428,14 +428,42 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         return told if restarted else None
 
     async def _rejoin(self, told: Dict[str, Any]) -> None:
-        """A restarted engine, before it serves a call: load the last sync's weights and take its version."""
+        """A restarted engine, before it serves a call: load the last sync's weights, take its version, and check
+        itself with the canary against the trainer's log-probs under those weights (:meth:`_check_rejoined`)."""
         from openrlhf_ess.trainer.eval_clock import process_start_time
 
         if told["refs"]:
             await self.load_weights_from_refs(told["refs"], version=int(told["version"]))
         self.weight_version = int(told["version"])
+        canary = await self._check_rejoined(told.get("canary"))
         seconds = time.time() - process_start_time()
-        await self._keeper.rejoined.remote(self.engine_index, os.getpid(), self.weight_version, seconds)
+        await self._keeper.rejoined.remote(self.engine_index, os.getpid(), self.weight_version, seconds, canary)
+
+    async def _check_rejoined(self, reference: Optional[Dict[str, Any]]) -> Optional[float]:
+        """The sync check's canary on a restarted engine, before it serves: its log-probs of the fixed canary
+        against the trainer's under the weights it loaded (``WeightSync.canary_reference``, taken by the trainer at
+        that sync), within the check's bounds. Returns the mean |Δ log p|; None before the first sync (no reference:
+        the engine holds the model it was started with, as at the run's start). A failure ends this restart: the
+        keeper names it, and the actor stays dead, so the run stops before anything it generated is trained."""
+        if not reference:
+            return None
+        import torch
+
+        from openrlhf_ess.trainer import canary
+
+        theirs = torch.tensor(await self.prompt_log_probs(reference["ids"]))
+        ours = torch.tensor(reference["log_probs"])
+        diff = (theirs.double() - ours.double()).abs().mean().item()
+        rel = canary.relative_error(theirs, ours)
+        if canary.within_bounds(diff, rel, reference["tol"], reference["rel_tol"]):
+            return diff
+        why = (
+            f"its canary log-probs at weight version {self.weight_version} are {diff:.3f} nats (mean |diff|; "
+            f"{rel:.3f} of their spread) from the trainer's, above --vllm.sync_check_tol {reference['tol']} or "
+            f"--vllm.sync_check_rel_tol {reference['rel_tol']}: the weights it loaded are not the trainer's"
+        )
+        await self._keeper.not_replaced.remote(self.engine_index, why)
+        raise RuntimeError(f"vLLM engine {self.engine_index} restarted and {why}; it does not serve.")
 
     async def load_weights_from_refs(
         self, refs: List[Any], with_checksums: bool = False, version: Optional[int] = None
