@@ -219,11 +219,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="Replace a dead or hung vLLM engine up to N times in the run (all engines together): Ray restarts it on "
-        "its placement, it loads the last weight sync's weights and version before serving, its in-flight prompts "
-        "are generated again from the start, and its samples are trained only after the sync check passed on it. "
-        "Default 0 = upstream's fail fast. Sync and async training, any sync backend (with nccl/gloo the group is "
-        "formed again at the next sync; a death during a broadcast stops the run); not the interrupt/dedicated "
-        "π_prox modes; keeps one host copy of the model in Ray's object store. docs/faults.md.",
+        "its placement, it loads the last weight sync's weights and version and checks its canary against the "
+        "trainer's before serving, its in-flight prompts are generated again from the start, and its samples are "
+        "trained only after the sync check passed on it. Default 0 = upstream's fail fast. Sync and async "
+        "training, any sync backend (with nccl/gloo the group is formed again at the next sync; a death during a "
+        "broadcast stops the run); not the interrupt/dedicated π_prox modes; keeps one host copy of the model in "
+        "Ray's object store. docs/faults.md.",
     )
     group.add_argument(
         "--reward.failure_policy",

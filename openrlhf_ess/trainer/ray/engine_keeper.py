@@ -21,9 +21,11 @@ How, in four parts:
   sync to the next.
 - **The budget.** ``N`` restarts for the whole run, over all engines. A restart past it is refused in the new engine's
   ``__init__``: the actor stays dead, its calls fail, and the run stops with every failure named in order.
-- **The check.** A replaced engine's samples are not trained until the weight sync check (per-tensor checksums taken
-  now, and the canary's log-probs against the trainer's forward) has passed on every engine (the controller asks
-  :meth:`EngineKeeperImpl.unverified` before each training step).
+- **The check.** A restarted engine compares its canary log-probs with the trainer's under the weights it loaded
+  (kept here with them) before it serves a call, and fails its restart if they differ; and its samples are not
+  trained until the weight sync check (per-tensor checksums taken now, and the canary's log-probs against the
+  trainer's forward) has passed on every engine (the controller asks :meth:`EngineKeeperImpl.unverified` before each
+  training step).
 
 The keeper also counts the calls that ran again on a new engine (a retried call keeps its Ray task id), for
 ``faults/prompts_requeued``.
