@@ -82,16 +82,23 @@ def read_run(tb_dir: str, launched: float) -> Dict:
     reward = scalar_events(tb_dir, "train/reward")
     first = reward[0][1] if reward else launched
     evals = [[s, w - launched, w - first, v] for s, w, v in scalar_events(tb_dir, EVAL)]
-    lag = [v for _, _, v in scalar_events(tb_dir, "train/version_lag/mean")]
+    lag = read_lag(tb_dir)
     return {
         "eval": evals,
         "eval_stamps": read_eval_stamps(tb_dir),
         "reward": [[s, v] for s, _, v in reward],
-        "lag_mean": statistics.mean(lag) if lag else None,
+        "lag_mean": statistics.mean(v for _, v in lag) if lag else None,
+        "lag": lag,
         "first_step_s": first - launched,
         "timing": read_timing(tb_dir),
         "dynamics": read_dynamics(tb_dir),
     }
+
+
+def read_lag(tb_dir: str) -> List[List[float]]:
+    """The measured version lag per step, [step, mean lag of its batch's tokens]: where it settles says the lag a
+    row ran at (a queue fills over its first steps)."""
+    return [[s, v] for s, _, v in scalar_events(tb_dir, "train/version_lag/mean")]
 
 
 def read_eval_stamps(tb_dir: str) -> List[List]:
@@ -224,11 +231,14 @@ def run_once(
     pin_engine_core: bool = False,
     task: str = "rlvr",
     task_env: Optional[Dict[str, str]] = None,
+    extra: Optional[List[str]] = None,
 ) -> Dict:
     """One run of the grid: ``world`` is the RLVR world's folder (task rlvr) or :func:`target_world`'s dict;
-    ``task_env`` the script's task settings (N_EVAL, WARM_TARGET, WARM_CHECK_EVERY; task rlvr), kept in the run."""
+    ``task_env`` the script's task settings (N_EVAL, WARM_TARGET, WARM_CHECK_EVERY; task rlvr), kept in the run;
+    ``extra`` more CLI flags after the cell's (``--extra``: e.g. more optimizer epochs, so that training is the
+    slower side and the queue fills), kept in the run's ``flags``."""
     level, name = parse_config(key)
-    flags = config_flags(level, name) + ["--train.seed", str(42 + seed)]
+    flags = config_flags(level, name) + ["--train.seed", str(42 + seed)] + list(extra or [])
     os.makedirs(run_dir, exist_ok=True)
     if task == "target":
         cmd, tb_dir = target_command(world, run_dir, name) + flags, os.path.join(run_dir, "tb")
@@ -252,7 +262,7 @@ def run_once(
         from openrlhf_ess.tiny.rlvr import N_EVAL
 
         run["task_env"] = {"N_EVAL": str(N_EVAL)} | {
-            k: env[k] for k in ("N_EVAL", "WARM_TARGET", "WARM_CHECK_EVERY", "SAMPLES", "LR") if k in env
+            k: env[k] for k in ("N_EVAL", "WARM_TARGET", "WARM_CHECK_EVERY", "SAMPLES", "LR", "EVAL_STEPS") if k in env
         }
     return run
 
@@ -710,6 +720,12 @@ def main() -> None:
     parser.add_argument(
         "--warm-check-every", type=int, default=None, help="task rlvr: the warm start's check interval"
     )
+    parser.add_argument(
+        "--extra",
+        default="",
+        help="more CLI flags for every run, after the cell's (e.g. '--train.max_epochs 4': training the slower side, "
+        "the queue fills and the measured lag reaches its depth); use its own --out",
+    )
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "rlvr_grid"))
     parser.add_argument("--workdir", default=os.path.join(REPO, "runs", "rlvr_grid"))
     parser.add_argument("--from-json", action="store_true", help="only re-render from --out's results.json")
@@ -754,6 +770,9 @@ def main() -> None:
             if "timing" not in r and os.path.isdir(tb_dir):
                 r["timing"] = read_timing(tb_dir)
                 backfilled = True
+            if "lag" not in r and os.path.isdir(tb_dir):  # the lag per step
+                r["lag"] = read_lag(tb_dir)
+                backfilled = True
             if "eval_stamps" not in r and os.path.isdir(tb_dir):  # each eval's own version and time, if it logged them
                 r["eval_stamps"] = read_eval_stamps(tb_dir)
                 backfilled = True
@@ -769,7 +788,9 @@ def main() -> None:
                     continue  # already measured (a resumed grid)
                 t0 = time.time()
                 run_dir = os.path.join(a.workdir, run_dir_name(key, seed) + suffix)
-                run = run_once(key, seed, a.steps, run_dir, world, a.pin_engine_core, a.task, task_env)
+                run = run_once(
+                    key, seed, a.steps, run_dir, world, a.pin_engine_core, a.task, task_env, shlex.split(a.extra)
+                )
                 run["command"] = command
                 results.setdefault(key, []).append(run)
                 print(

@@ -12,7 +12,6 @@ tell (the abort of a communicator with a dead peer, a second rendezvous, the byt
 probe proves on the user's cluster (``WeightSync.startup_regroup_probe``), whose logic is tested here.
 """
 
-import socket
 import threading
 import types
 from types import SimpleNamespace
@@ -30,44 +29,9 @@ from safetensors.torch import load as load_safetensors  # noqa: E402
 from openrlhf_ess.trainer import weight_sync  # noqa: E402
 from openrlhf_ess.trainer.ray import engine_keeper  # noqa: E402
 from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer  # noqa: E402
+from tests.helpers.one_rank import DeepSpeedLike, TinyLM, gloo_single_process  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _gloo_single_process():
-    """A one-rank gloo group: WeightSync's get_rank() (this process is rank 0)."""
-    if torch.distributed.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
-class TinyLM(torch.nn.Module):
-    """An HF-like causal LM: ``config.vocab_size``, ``model(input_ids=, attention_mask=).logits``."""
-
-    def __init__(self):
-        super().__init__()
-        self.config = SimpleNamespace(vocab_size=16)
-        self.embed = torch.nn.Embedding(16, 8)
-        self.head = torch.nn.Linear(8, 16, bias=False)
-
-    def forward(self, input_ids, attention_mask=None):
-        return SimpleNamespace(logits=self.head(torch.tanh(self.embed(input_ids))))
-
-
-class DeepSpeedLike(torch.nn.Module):
-    """What ``actor.model`` is in the trainer: a DeepSpeed engine, whose ``.module`` is the HF model."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, **kwargs):
-        return self.module(**kwargs)
+_gloo_single_process = pytest.fixture(scope="module", autouse=True)(gloo_single_process)
 
 
 class Handle:

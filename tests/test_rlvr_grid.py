@@ -330,10 +330,12 @@ def test_each_eval_is_read_with_the_version_it_measured_and_its_own_time(tmp_pat
         writer.add_scalar(rlvr_grid.EVAL, 0.2 if step == 25 else 0.3, step, walltime=wall)
         writer.add_scalar("eval/weight_version", version, step, walltime=wall)
         writer.add_scalar("eval/wall_clock_since_step1_s", clock, step, walltime=wall)
-    for step, rho in ((1, 0.5), (2, 0.7)):
+    for step, rho, lag in ((1, 0.5, 0.0), (2, 0.7, 1.5)):
         writer.add_scalar("train/rho_ess", rho, step, walltime=1000.0 + step)
+        writer.add_scalar("train/version_lag/mean", lag, step, walltime=1000.0 + step)
     writer.close()
     run = rlvr_grid.read_run(str(tmp_path / "tb"), launched=990.0)
+    assert run["lag"] == [[1, 0.0], [2, 1.5]] and run["lag_mean"] == pytest.approx(0.75)  # where a queue settles
     assert run["eval_stamps"] == [[25, 33.0, pytest.approx(20.0)], [50, 58.0, pytest.approx(40.0)]]
     assert [[s, pytest.approx(t)] for s, _, t, _ in run["eval"]] == [[25, 30.0], [50, 55.0]]
     assert rlvr_grid.stamped(run, 1) == [[33.0, pytest.approx(0.2)], [58.0, pytest.approx(0.3)]]

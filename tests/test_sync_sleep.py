@@ -31,7 +31,6 @@ group on 127.0.0.1.
 
 import asyncio
 import copy
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -46,46 +45,12 @@ from safetensors.torch import load as load_safetensors  # noqa: E402
 
 from openrlhf_ess.trainer import sync_check, weight_sync  # noqa: E402
 from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer  # noqa: E402
+from tests.helpers.one_rank import DeepSpeedLike, TinyLM, gloo_single_process  # noqa: E402
 
 BOTH = frozenset({"weights", "kv_cache"})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _gloo_single_process():
-    """A one-rank gloo group: WeightSync's get_rank() and the reload sync's barrier."""
-    if torch.distributed.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    torch.distributed.destroy_process_group()
-
-
-class TinyLM(torch.nn.Module):
-    """An HF-like causal LM: ``config.vocab_size``, ``model(input_ids=, attention_mask=).logits``."""
-
-    def __init__(self, vocab=16, hidden=8):
-        super().__init__()
-        self.config = SimpleNamespace(vocab_size=vocab)
-        self.embed = torch.nn.Embedding(vocab, hidden)
-        self.head = torch.nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, input_ids, attention_mask=None):
-        return SimpleNamespace(logits=self.head(torch.tanh(self.embed(input_ids))))
-
-
-class DeepSpeedLike(torch.nn.Module):
-    """What ``actor.model`` is in the trainer: a DeepSpeed engine, whose ``.module`` is the HF model."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, **kwargs):
-        return self.module(**kwargs)
+_gloo_single_process = pytest.fixture(scope="module", autouse=True)(gloo_single_process)
 
 
 class EngineAsleep(Exception):
