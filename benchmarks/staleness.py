@@ -85,6 +85,10 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     # this grid kept), and PPO-EWMA as Hilton et al. published it (β per optimizer step, θ0 included, π_prox
     # recomputed for every minibatch)
     "VCPO": VCPO_VARIANT,
+    # VCPO's parts one at a time, in its order (the variant above is all three): the product (sequence-level) TIS
+    # weight truncated at 2, then ESS-LR over it
+    "seq TIS": ["--algo.tis_cap", "2", "--algo.tis_level", "seq"],
+    "seq TIS + ESS-LR": ["--algo.tis_cap", "2", "--algo.tis_level", "seq", "--algo.ess_lr_enable"],
     "OPOB": ["--algo.advantage.baseline", "opob"],
     "VCPO + snapshot": VCPO_VARIANT + SNAPSHOT,
     "VCPO (recipe)": ["--algo.vcpo_enable"],

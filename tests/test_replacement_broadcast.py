@@ -78,7 +78,11 @@ class StandInEngine:
 
     def __init__(self, index):
         self.index, self.group, self.received, self.weights, self.dead = index, None, [], {}, False
-        self.flip_probe_bit = False
+        self.flip_probe_bit, self.asked_ready = False, 0
+
+    def held_weight_version(self):  # rank 0 waits for every engine to answer before it forms the group
+        self.asked_ready += 1
+        return 0
 
     def probe_sync_group(self, numel):
         """The engine actor's answer, one digest per worker (one worker here), once the probe has arrived: the
@@ -223,6 +227,7 @@ def test_a_restart_between_syncs_forms_the_group_again_with_every_engine_before_
     trainer.broadcast_to_vllm()
     second = trainer._model_update_group
     assert first.destroyed and not second.destroyed and trainer.groups_formed == 2
+    assert [e.asked_ready for e in trainer.engines] == [1, 1]  # every engine answered before the rendezvous
     assert second.members == trainer.engines and len(first.sent) == len(second.sent) == 2
     ours = _trainer_state(trainer)
     for engine in trainer.engines:

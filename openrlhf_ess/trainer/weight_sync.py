@@ -77,7 +77,6 @@ class WeightSync:
         self._to_check, self._syncs_checked = False, 0
         self._checked_metrics: Dict[str, float] = {}  # --vllm.enable_sleep: the check's, for the next step
         self._group_restarts = 0  # NCCL/gloo with replacement: engine restarts when rank 0's group was formed
-        self._left_groups: List[object] = []  # the groups formed before (regroup_if_replaced)
 
     # ---- what is synced ------------------------------------------------------------------------------
 
@@ -268,6 +267,10 @@ class WeightSync:
         restarts = ray.get(engine_keeper.find().used.remote())
         if restarts <= self._group_restarts:
             return False
+        # A restart may still be loading: the group's rendezvous waits at most 300 s for its members, so first wait
+        # until every engine answers (Ray holds a call to a restarting actor until its __init__ is done, and raises
+        # if the restart failed, which stops the run with the keeper's list of failures).
+        ray.get([engine.held_weight_version.remote() for engine in self.trainer.vllm_engines])
         self.regroup()
         self._group_restarts = restarts
         print(
