@@ -29,19 +29,9 @@ from safetensors.torch import load as load_safetensors  # noqa: E402
 from openrlhf_ess.trainer import weight_sync  # noqa: E402
 from openrlhf_ess.trainer.ray import engine_keeper  # noqa: E402
 from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer  # noqa: E402
-from tests.helpers.one_rank import DeepSpeedLike, TinyLM, gloo_single_process  # noqa: E402
+from tests.helpers.one_rank import DeepSpeedLike, RemoteHandle, TinyLM, gloo_single_process  # noqa: E402
 
 _gloo_single_process = pytest.fixture(scope="module", autouse=True)(gloo_single_process)
-
-
-class Handle:
-    """``obj.method.remote(...)`` runs the method at once (``ray.get`` and ``ray.put`` are identities here)."""
-
-    def __init__(self, obj):
-        self._obj = obj
-
-    def __getattr__(self, name):
-        return SimpleNamespace(remote=getattr(self._obj, name))
 
 
 class FakeRay:
@@ -145,7 +135,7 @@ def make_trainer(monkeypatch, *, max_restarts=2, cuda_ipc=False, watchdog_s=0.0)
     trainer.prox = SimpleNamespace(after_sync=lambda version: None)
     trainer.use_cuda_ipc = cuda_ipc
     trainer.engines = [StandInEngine(i) for i in range(2)]
-    trainer.vllm_engines = [Handle(e) for e in trainer.engines]
+    trainer.vllm_engines = [RemoteHandle(e) for e in trainer.engines]
     trainer.groups_formed, trainer.order, trainer.die_during_broadcast = 0, [], None
     keeper = engine_keeper.EngineKeeperImpl(max_restarts)
     for e in trainer.engines:
@@ -158,7 +148,7 @@ def make_trainer(monkeypatch, *, max_restarts=2, cuda_ipc=False, watchdog_s=0.0)
         put(version, refs, canary)
 
     keeper.put_weights = put_weights
-    monkeypatch.setattr(engine_keeper, "find", lambda: Handle(keeper))
+    monkeypatch.setattr(engine_keeper, "find", lambda: RemoteHandle(keeper))
     monkeypatch.setattr(weight_sync, "ray", FakeRay)
     monkeypatch.setattr(weight_sync, "RESTART_POLL_S", 0.01)
     monkeypatch.setattr(upstream_actor.ActorPPOTrainer, "_init_vllm_sync_group", _init_vllm_sync_group)

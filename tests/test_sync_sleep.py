@@ -45,7 +45,7 @@ from safetensors.torch import load as load_safetensors  # noqa: E402
 
 from openrlhf_ess.trainer import sync_check, weight_sync  # noqa: E402
 from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer  # noqa: E402
-from tests.helpers.one_rank import DeepSpeedLike, TinyLM, gloo_single_process  # noqa: E402
+from tests.helpers.one_rank import DeepSpeedLike, RemoteHandle, TinyLM, gloo_single_process  # noqa: E402
 
 BOTH = frozenset({"weights", "kv_cache"})
 
@@ -180,16 +180,6 @@ class StandInEngine:
         """A rollout: needs everything awake."""
         self._scheduler_running("generate")
         self._weights_resident("generate")
-
-
-class RemoteHandle:
-    """``engine.method.remote(...)`` runs the method at once (with ``FakeRay.get`` returning what it is given)."""
-
-    def __init__(self, engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return SimpleNamespace(remote=getattr(self._engine, name))
 
 
 class FakeRay:

@@ -1,7 +1,7 @@
 """A trainer's surroundings in one process, for the tests that drive our ``ActorPPOTrainer`` around a tiny torch model
 (``tests/test_sync_sleep.py``, ``tests/test_replacement_broadcast.py``): a one-rank gloo group on 127.0.0.1 (what
-``torch.distributed.get_rank()`` and the syncs' barriers need), an HF-like causal LM and the DeepSpeed engine's
-``.module`` around it."""
+``torch.distributed.get_rank()`` and the syncs' barriers need), an HF-like causal LM, the DeepSpeed engine's
+``.module`` around it, and an actor handle whose calls run at once."""
 
 import socket
 from types import SimpleNamespace
@@ -45,3 +45,14 @@ class DeepSpeedLike(torch.nn.Module):
 
     def forward(self, **kwargs):
         return self.module(**kwargs)
+
+
+class RemoteHandle:
+    """``actor.method.remote(...)`` runs the method at once (with a stand-in ``ray.get`` that returns what it is
+    given)."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        return SimpleNamespace(remote=getattr(self._obj, name))
