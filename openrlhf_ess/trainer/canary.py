@@ -17,7 +17,7 @@ nats than a flat model's faults. Two statistics that do not depend on the scale:
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -56,8 +56,13 @@ def relative_error(engine: torch.Tensor, trainer: torch.Tensor) -> float:
     """r = mean |engine − trainer| / max(spread(trainer), :data:`SPREAD_FLOOR`); NaN when either side is not finite.
     The floor keeps a confident model's tokens (log p ≈ 0 for all, spread ≈ 0) from turning rounding into a fault:
     below it the bound acts as an absolute one, ``rel_tol`` × 0.05 nats."""
+    return distance(engine, trainer)[1]
+
+
+def distance(engine: torch.Tensor, trainer: torch.Tensor) -> Tuple[float, float]:
+    """(mean |engine − trainer| in nats, :func:`relative_error`): the two numbers :func:`within_bounds` judges."""
     diff = (engine.double() - trainer.double()).abs().mean().item()
-    return diff / max(spread(trainer), SPREAD_FLOOR)
+    return diff, diff / max(spread(trainer), SPREAD_FLOOR)
 
 
 def temperature_hypotheses(

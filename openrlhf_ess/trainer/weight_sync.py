@@ -93,6 +93,16 @@ class WeightSync:
             if p.requires_grad or not getattr(actor, "is_vlm", False)
         ]
 
+    def gathered_on_rank0(self) -> Optional[Iterator[Tuple[str, torch.Tensor]]]:
+        """The synced weights' (name, full tensor) pairs, gathered one parameter at a time, for rank 0 to consume; on
+        other ranks None, after taking part in every gather (all ranks must call it)."""
+        named = ((name, param.data) for name, param in gathered_one_by_one(self.synced_params(), self._zero3))
+        if torch.distributed.get_rank() == 0:
+            return named
+        for _ in named:
+            pass
+        return None
+
     def synced_state(self) -> Optional[Dict[str, torch.Tensor]]:
         """The weights a sync sends, as contiguous CPU copies by HF name, on rank 0 (None on other ranks).
 
@@ -112,13 +122,8 @@ class WeightSync:
         (``prox_scorer.ProxScorerImpl.load_weights``)."""
         from openrlhf_ess.trainer.ray.vllm_worker_wrap import weight_messages
 
-        rank0 = torch.distributed.get_rank() == 0
-        named = ((name, param.data) for name, param in gathered_one_by_one(self.synced_params(), self._zero3))
-        if not rank0:
-            for _ in named:  # every rank takes part in each gather
-                pass
-            return None
-        return [blob for blob, _ in weight_messages(named)]
+        named = self.gathered_on_rank0()
+        return None if named is None else [blob for blob, _ in weight_messages(named)]
 
     def blob_for_dedicated(self) -> Optional[List[bytes]]:
         """dedicated mode, right after a sync: the messages the reload backend has just sent to the engines (no
@@ -155,13 +160,10 @@ class WeightSync:
 
         from openrlhf_ess.trainer.ray.vllm_worker_wrap import weight_messages
 
-        rank0 = torch.distributed.get_rank() == 0
         dedicated = self.args.algo.prox_mode == "dedicated"  # the dedicated model is sent the same messages next
         reference = self.canary_reference() if self.args.vllm.max_restarts > 0 else None
-        named = ((name, param.data) for name, param in gathered_one_by_one(self.synced_params(), self._zero3))
-        if not rank0:
-            for _ in named:  # every rank takes part in each gather
-                pass
+        named = self.gathered_on_rank0()
+        if named is None:
             if dedicated:
                 self._blob_for_dedicated = (None,)
         elif self.args.vllm.max_restarts > 0:
@@ -226,12 +228,9 @@ class WeightSync:
         broadcast's), their copy to rank 0's host, and the model's bytes in its node's object store (M + 3·m, as
         pre-flight counts)."""
         reference = self.canary_reference()
-        named = ((name, param.data) for name, param in gathered_one_by_one(self.synced_params(), self._zero3))
-        if torch.distributed.get_rank() != 0:
-            for _ in named:  # every rank takes part in each gather
-                pass
-            return
-        self._keep(named, reference)
+        named = self.gathered_on_rank0()
+        if named is not None:
+            self._keep(named, reference)
 
     def broadcast_replaceable(self, broadcast) -> None:
         """Upstream's NCCL/gloo (or CUDA IPC) sync ``broadcast`` with replacement on (all ranks): the weights kept
@@ -499,8 +498,7 @@ class WeightSync:
                 + " Every importance weight would be off. Or skip with --selfcheck off."
             )
         ours = hypotheses["at T"]
-        diff = (ours - mu).abs().mean().item()
-        rel = canary.relative_error(mu, ours)
+        diff, rel = canary.distance(mu, ours)
         tol = args.vllm.sync_check_tol
         if not canary.within_bounds(diff, rel, tol, rel_tol):
             raise RuntimeError(
@@ -546,8 +544,7 @@ class WeightSync:
         engines = self.trainer.vllm_engines
         with self._engines_can_generate(engines):
             theirs = ray.get([engine.prompt_log_probs.remote(ids[0].tolist()) for engine in engines])
-        diffs = [(ours - torch.tensor(lp)).abs().mean().item() for lp in theirs]
-        rels = [canary.relative_error(torch.tensor(lp), ours) for lp in theirs]
+        diffs, rels = zip(*(canary.distance(torch.tensor(lp), ours) for lp in theirs))
         self.metrics.update(
             {
                 "sync/canary_mean_abs_diff": max(diffs),

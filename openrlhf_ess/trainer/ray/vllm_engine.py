@@ -452,9 +452,7 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         from openrlhf_ess.trainer import canary
 
         theirs = torch.tensor(await self.prompt_log_probs(reference["ids"]))
-        ours = torch.tensor(reference["log_probs"])
-        diff = (theirs.double() - ours.double()).abs().mean().item()
-        rel = canary.relative_error(theirs, ours)
+        diff, rel = canary.distance(theirs, torch.tensor(reference["log_probs"]))
         if canary.within_bounds(diff, rel, reference["tol"], reference["rel_tol"]):
             return diff
         why = (
