@@ -92,6 +92,7 @@ def read_run(tb_dir: str, launched: float) -> Dict:
         "first_step_s": first - launched,
         "timing": read_timing(tb_dir),
         "dynamics": read_dynamics(tb_dir),
+        "curves": read_curves(tb_dir),
     }
 
 
@@ -136,6 +137,32 @@ def read_dynamics(tb_dir: str) -> Dict:
         "rho_ess": mean("train/rho_ess"),
         "lr_scale": mean("train/lr_scale"),
     }
+
+
+# What the update did per step, for reading where a run turned: the training batch's reward and share of well-formed
+# answers (samples up to the lag versions old), KL(μ‖π_prox) of its tokens (k1, the distance the weights correct),
+# the TIS weight's mean, PPO's KL(π_prox‖π_θ) after the epochs and its clip share, and ESS-LR's ρ and LR scale
+CURVES = {
+    "reward": "train/reward",
+    "well_formed": "train/well_formed",
+    "k1_mu_prox": "train/mismatch/k1",
+    "tis_weight": "train/tis/mean_weight",
+    "ppo_kl": "train/ppo_kl",
+    "ppo_clip": "train/ppo_clip_ratio",
+    "rho_ess": "train/rho_ess",
+    "lr_scale": "train/lr_scale",
+}
+CURVE_WINDOW = 5  # the per-step table averages the steps (checkpoint - 5, checkpoint]: one step's batch is noisy
+
+
+def read_curves(tb_dir: str) -> Dict[str, List[List[float]]]:
+    """Each of :data:`CURVES` per step, [[step, value], ...] (absent where the run did not log it)."""
+    out = {}
+    for name, tag in CURVES.items():
+        points = [[s, v] for s, _, v in scalar_events(tb_dir, tag)]
+        if points:
+            out[name] = points
+    return out
 
 
 # Upstream's per-step timing (train/timing/*). Sync: the phases run one after another and step_total is their sum.
@@ -496,6 +523,7 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
     lines += time_table(results)
     if task == "target":
         lines += dynamics_table(results)
+    lines += curves_table(results)
     lines += ["", f"## Every seed: eval {text['value']} at each eval step (seconds since the first step's log)", ""]
     for key, runs in results.items():
         lines.append(f"**{key.replace(' | ', ': ')}**")
@@ -612,6 +640,55 @@ def dynamics_table(results: Dict[str, List[Dict]], target: float = 0.5) -> List[
         cells = [_span([x["overshoot"] for x in stats]), _span([x["final"] for x in stats]), _span(clip), _span(tis)]
         lines.append(f"| {key.replace(' | ', ': ')} | {len(dyn)} | " + " | ".join(cells) + " |")
     return lines
+
+
+def window_mean(points: List[List[float]], step: int, window: int = CURVE_WINDOW) -> Optional[float]:
+    """Mean of the values logged at steps in (step - window, step]; None where none was."""
+    values = [v for s, v in points if step - window < s <= step]
+    return statistics.mean(values) if values else None
+
+
+def curves_table(results: Dict[str, List[Dict]]) -> List[str]:
+    """The update's dynamics at five checkpoints of each run (a tenth, a quarter, half, three quarters and the end of
+    its steps), every run recorded with :func:`read_curves`; [] where none was."""
+    rows = []
+    for key, runs in results.items():
+        for r in sorted(runs, key=lambda r: r["seed"]):
+            curves = r.get("curves") or {}
+            if not curves.get("reward"):
+                continue
+            last = int(max(s for s, _ in curves["reward"]))
+            marks = [max(1, round(last * f)) for f in (0.1, 0.25, 0.5, 0.75, 1.0)]
+            cells = []
+            for name in CURVES:
+                values = [window_mean(curves.get(name, []), m) for m in marks]
+                cells.append(
+                    " / ".join("–" if v is None else f"{v:.3g}" for v in values)
+                    if any(v is not None for v in values)
+                    else "–"
+                )
+            rows.append(
+                f"| {key.replace(' | ', ': ')} | {r['seed']} | {'/'.join(map(str, marks))} | "
+                + " | ".join(cells)
+                + " |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "## What the update did, per step",
+        "",
+        f"Each run's logged training scalars, each cell the mean over the {CURVE_WINDOW} steps up to each checkpoint "
+        "(a tenth, a quarter, half, three quarters and the end of the run, in that order): the training batch's "
+        "reward and share of well-formed answers (its samples up to the lag versions old), k1 = KL(μ‖π_prox) of "
+        "its tokens (what the IS weights correct), the mean TIS weight, PPO's KL(π_prox‖π_θ) after the epochs and "
+        "the share of tokens its clip held, and ESS-LR's ρ and LR scale. – where the run did not log it.",
+        "",
+        "| configuration | seed | steps | reward | well-formed | k1 μ‖π_prox | TIS weight | PPO KL | PPO clip | ρ_ESS "
+        "| LR scale |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def plot(results: Dict[str, List[Dict]], out: str, start_value: float, task: str = "rlvr") -> List[str]:
@@ -775,6 +852,9 @@ def main() -> None:
                 backfilled = True
             if "eval_stamps" not in r and os.path.isdir(tb_dir):  # each eval's own version and time, if it logged them
                 r["eval_stamps"] = read_eval_stamps(tb_dir)
+                backfilled = True
+            if "curves" not in r and os.path.isdir(tb_dir):  # the update's dynamics per step
+                r["curves"] = read_curves(tb_dir)
                 backfilled = True
             if a.task == "target" and "dynamics" not in r and os.path.isdir(tb_dir):
                 r["dynamics"] = read_dynamics(tb_dir)

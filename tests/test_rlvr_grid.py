@@ -369,10 +369,34 @@ def test_a_rerender_reads_the_stamps_of_runs_recorded_without_them_from_their_fo
     writer = SummaryWriter(str(workdir / rlvr_grid.run_dir_name("sync | none", 0) / "tensorboard"))
     writer.add_scalar("eval/weight_version", 25, 25)
     writer.add_scalar("eval/wall_clock_since_step1_s", 9.5, 25)
+    writer.add_scalar("train/reward", 0.25, 1)
     writer.close()
     monkeypatch.setattr("sys.argv", ["rlvr_grid", "--from-json", "--out", str(out), "--workdir", str(workdir)])
     rlvr_grid.main()
     saved = json.loads((out / "results.json").read_text())
     assert saved["sync | none"][0]["eval_stamps"] == [[25, 25.0, pytest.approx(9.5)]]
+    assert saved["sync | none"][0]["curves"] == {"reward": [[1, 0.25]]}  # the update's curves, from the folder too
     assert "- seed 0: 25: 0.200 (10 s; version 25, ran at 10 s)" in (out / "results.md").read_text()
     assert (out / "eval_version.png").exists() and (out / "eval_time.png").exists()
+
+
+def test_the_update_is_read_per_step_and_tabled_as_window_means_at_five_checkpoints(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step in range(1, 21):  # reward = step / 100 at steps 1..20
+        writer.add_scalar("train/reward", step / 100, step)
+    writer.add_scalar("train/mismatch/k1", 0.5, 20)  # logged once, at the last step
+    writer.close()
+    curves = rlvr_grid.read_curves(str(tmp_path / "tb"))
+    assert set(curves) == {"reward", "k1_mu_prox"}  # a tag the run did not log is absent
+    assert curves["reward"][:2] == [[1, pytest.approx(0.01)], [2, pytest.approx(0.02)]]
+    # checkpoints of a 20-step run: 2, 5, 10, 15, 20; each the mean over the 5 steps up to it (fewer at the start)
+    # by hand: (0.01+0.02)/2, (0.01..0.05)/5, (0.06..0.10)/5, (0.11..0.15)/5, (0.16..0.20)/5
+    assert rlvr_grid.CURVE_WINDOW == 5
+    lines = rlvr_grid.curves_table({"async q16 + partial | seq TIS": [{"seed": 3, "curves": curves}]})
+    row = next(line for line in lines if line.startswith("| async q16"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:4] == ["async q16 + partial: seq TIS", "3", "2/5/10/15/20", "0.015 / 0.03 / 0.08 / 0.13 / 0.18"]
+    assert cells[4] == "–" and cells[5] == "– / – / – / – / 0.5"  # not logged; logged at the end only
+    assert rlvr_grid.curves_table({"sync | none": [{"seed": 0, "eval": []}]}) == []  # recorded without curves
