@@ -96,6 +96,14 @@ def read_run(tb_dir: str, launched: float) -> Dict:
     }
 
 
+def same_run(run: Dict, tb_dir: str) -> bool:
+    """Whether ``tb_dir`` still holds the recorded ``run``: its training reward per step equals the record's. A run
+    folder is named by configuration and seed only, so a later grid with the same workdir replaces it."""
+    if not os.path.isdir(tb_dir) or not run.get("reward"):
+        return False
+    return [[s, v] for s, _, v in scalar_events(tb_dir, "train/reward")] == run["reward"]
+
+
 def read_lag(tb_dir: str) -> List[List[float]]:
     """The measured version lag per step, [step, mean lag of its batch's tokens]: where it settles says the lag a
     row ran at (a queue fills over its first steps)."""
@@ -844,6 +852,8 @@ def main() -> None:
     for key, runs in results.items():  # runs recorded before these were kept: read from their folders, if still there
         for r in runs:
             tb_dir = os.path.join(a.workdir, run_dir_name(key, r["seed"]) + suffix, tb_name)
+            if not same_run(r, tb_dir):  # the folder is gone, or a later run of the same name replaced it
+                continue
             if "timing" not in r and os.path.isdir(tb_dir):
                 r["timing"] = read_timing(tb_dir)
                 backfilled = True

@@ -364,8 +364,14 @@ def test_a_rerender_reads_the_stamps_of_runs_recorded_without_them_from_their_fo
 
     out, workdir = tmp_path / "out", tmp_path / "runs"
     out.mkdir()
-    run = dict(_run([(25, 10.0, 0.2)]), lag_mean=None, first_step_s=30.0, wall_s=90.0, timing={})
-    (out / "results.json").write_text(json.dumps({"_warm_start_accuracy": 0.1, "sync | none": [run]}))
+    run = dict(_run([(25, 10.0, 0.2)]), lag_mean=None, first_step_s=30.0, wall_s=90.0, timing={}, reward=[[1, 0.25]])
+    other = dict(run, reward=[[1, 0.5]])  # its folder now holds a later run of the same name: not read
+    results = {"_warm_start_accuracy": 0.1, "sync | none": [run], "async q8 + partial | TIS": [other]}
+    (out / "results.json").write_text(json.dumps(results))
+    later = SummaryWriter(str(workdir / rlvr_grid.run_dir_name("async q8 + partial | TIS", 0) / "tensorboard"))
+    later.add_scalar("train/reward", 0.75, 1)
+    later.add_scalar("eval/weight_version", 25, 25)
+    later.close()
     writer = SummaryWriter(str(workdir / rlvr_grid.run_dir_name("sync | none", 0) / "tensorboard"))
     writer.add_scalar("eval/weight_version", 25, 25)
     writer.add_scalar("eval/wall_clock_since_step1_s", 9.5, 25)
@@ -376,6 +382,8 @@ def test_a_rerender_reads_the_stamps_of_runs_recorded_without_them_from_their_fo
     saved = json.loads((out / "results.json").read_text())
     assert saved["sync | none"][0]["eval_stamps"] == [[25, 25.0, pytest.approx(9.5)]]
     assert saved["sync | none"][0]["curves"] == {"reward": [[1, 0.25]]}  # the update's curves, from the folder too
+    assert "curves" not in saved["async q8 + partial | TIS"][0]  # another run's folder: nothing read from it
+    assert "eval_stamps" not in saved["async q8 + partial | TIS"][0]
     assert "- seed 0: 25: 0.200 (10 s; version 25, ran at 10 s)" in (out / "results.md").read_text()
     assert (out / "eval_version.png").exists() and (out / "eval_time.png").exists()
 
