@@ -71,3 +71,60 @@ def test_upstream_train_names_we_substitute():
         in upstream.ray_actor_class(ppo_actor.PolicyModelActor).init_model_from_pretrained.__code__.co_names
     )
     assert "RolloutRayActor" in vllm_engine.create_vllm_engines.__code__.co_names
+
+
+def _zero_arg_super_methods_inherited_from_remote_classes(cls):
+    """Names whose method ``cls`` takes as it is from an upstream class that its module exposes only as a
+    ``@ray.remote`` wrapper, where the method's code calls zero-argument ``super()`` (a ``__class__`` cell)."""
+    import inspect
+    import sys
+
+    found = []
+    for name in dir(cls):
+        owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+        if owner is None or not owner.__module__.startswith("openrlhf."):
+            continue
+        fn = vars(owner)[name]
+        fn = getattr(fn, "__func__", fn)
+        if not inspect.isfunction(fn) or "__class__" not in fn.__code__.co_freevars:
+            continue
+        if getattr(sys.modules[owner.__module__], owner.__name__, None) is not owner:  # the module name: the wrapper
+            found.append(f"{cls.__name__}.{name} (upstream's {owner.__name__})")
+    return found
+
+
+def test_no_actor_class_of_ours_inherits_an_upstream_method_that_calls_zero_argument_super():
+    """Such a method reaches the actor's worker by value, its super() bound to a copy of upstream's class, and the
+    actor fails with TypeError: super(type, obj) (the async controller's eval-only training actor did, at start-up,
+    before its __init__ and broadcast_to_vllm were passed through). Every Ray actor class of ours that subclasses
+    one of upstream's is checked; the check itself is shown to find both on a class that inherits them."""
+    import importlib
+    import inspect
+
+    from openrlhf.trainer import ppo_trainer_async as upstream_async
+
+    modules = [
+        "openrlhf_ess.trainer.ppo_trainer",
+        "openrlhf_ess.trainer.ppo_trainer_async",
+        "openrlhf_ess.trainer.ray.ppo_actor",
+        "openrlhf_ess.trainer.ray.ref_actor",
+        "openrlhf_ess.trainer.ray.vllm_engine",
+        "openrlhf_ess.trainer.ray.prox_scorer",
+    ]
+    ours = []
+    for module in map(importlib.import_module, modules):
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and any(k.__module__.startswith("openrlhf.") for k in cls.__mro__):
+                ours.append(cls)
+    names = {cls.__name__ for cls in ours}
+    assert {"TrainingActorImpl", "TrainingActorEvalImpl", "PPOTrainerImpl", "PPOTrainerEvalImpl"} <= names
+    found = [hit for cls in ours for hit in _zero_arg_super_methods_inherited_from_remote_classes(cls)]
+    assert found == []
+
+    class Inherits(upstream.ray_actor_class(upstream_async.TrainingActor)):
+        pass
+
+    assert sorted(_zero_arg_super_methods_inherited_from_remote_classes(Inherits)) == [
+        "Inherits.__init__ (upstream's TrainingActor)",
+        "Inherits.broadcast_to_vllm (upstream's TrainingActor)",
+    ]

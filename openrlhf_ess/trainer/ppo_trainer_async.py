@@ -122,7 +122,19 @@ class GenerateSamplesActorEvalImpl(AsyncEvalGeneratorMixin, _UpstreamGenerate):
 
 
 class TrainingActorEvalImpl(AsyncEvalTrainerMixin, _UpstreamTraining, WeightsStepInLockMixin):
-    """Upstream's training actor with our final eval and best-checkpoint tag."""
+    """Upstream's training actor with our final eval and best-checkpoint tag.
+
+    Upstream's two methods that call zero-argument ``super()`` (``__init__``, ``broadcast_to_vllm``) are passed
+    through here, as :class:`TrainingActorImpl` and its mixins do: inherited as they are, they travel to the actor's
+    worker by value (upstream's module name ``TrainingActor`` is the remote wrapper, not the class), with a copy of
+    the class as their ``super()``'s, and the actor fails with ``TypeError: super(type, obj)``
+    (``tests/test_upstream_actors.py`` checks every actor class of ours for such a method)."""
+
+    def __init__(self, pretrain, *args, **kwargs):
+        super().__init__(pretrain, *args, **kwargs)
+
+    def broadcast_to_vllm(self):
+        super().broadcast_to_vllm()
 
 
 class PPOTrainerAsyncEvalImpl(_UpstreamAsync):
