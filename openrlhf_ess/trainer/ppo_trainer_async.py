@@ -128,7 +128,7 @@ class TrainingActorEvalImpl(AsyncEvalTrainerMixin, _UpstreamTraining, WeightsSte
     through here, as :class:`TrainingActorImpl` and its mixins do: inherited as they are, they travel to the actor's
     worker by value (upstream's module name ``TrainingActor`` is the remote wrapper, not the class), with a copy of
     the class as their ``super()``'s, and the actor fails with ``TypeError: super(type, obj)``
-    (``tests/test_upstream_actors.py`` checks every actor class of ours for such a method)."""
+    (``tests/test_upstream_contract.py`` checks every actor class of ours for such a method)."""
 
     def __init__(self, pretrain, *args, **kwargs):
         super().__init__(pretrain, *args, **kwargs)
