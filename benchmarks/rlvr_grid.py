@@ -849,26 +849,19 @@ def main() -> None:
     command = "python -m benchmarks.rlvr_grid " + shlex.join(sys.argv[1:])
     backfilled = False
     tb_name = "tb" if a.task == "target" else "tensorboard"
-    for key, runs in results.items():  # runs recorded before these were kept: read from their folders, if still there
+    # Runs recorded before a field was kept: read it from the run's folder, if the folder still holds that run
+    readers = {"timing": read_timing, "lag": read_lag, "eval_stamps": read_eval_stamps, "curves": read_curves}
+    if a.task == "target":  # the training side's table (the digit fraction) is the interior-optimum task's
+        readers["dynamics"] = read_dynamics
+    for key, runs in results.items():
         for r in runs:
+            missing = [field for field in readers if field not in r]
             tb_dir = os.path.join(a.workdir, run_dir_name(key, r["seed"]) + suffix, tb_name)
-            if not same_run(r, tb_dir):  # the folder is gone, or a later run of the same name replaced it
+            if not missing or not same_run(r, tb_dir):  # the folder is gone, or a later run of its name replaced it
                 continue
-            if "timing" not in r and os.path.isdir(tb_dir):
-                r["timing"] = read_timing(tb_dir)
-                backfilled = True
-            if "lag" not in r and os.path.isdir(tb_dir):  # the lag per step
-                r["lag"] = read_lag(tb_dir)
-                backfilled = True
-            if "eval_stamps" not in r and os.path.isdir(tb_dir):  # each eval's own version and time, if it logged them
-                r["eval_stamps"] = read_eval_stamps(tb_dir)
-                backfilled = True
-            if "curves" not in r and os.path.isdir(tb_dir):  # the update's dynamics per step
-                r["curves"] = read_curves(tb_dir)
-                backfilled = True
-            if a.task == "target" and "dynamics" not in r and os.path.isdir(tb_dir):
-                r["dynamics"] = read_dynamics(tb_dir)
-                backfilled = True
+            for field in missing:
+                r[field] = readers[field](tb_dir)
+            backfilled = True
     if backfilled:
         save(results_path, start_value, results, a.task)
     if not a.from_json:
