@@ -51,19 +51,33 @@ def run_flags(a: argparse.Namespace, world: dict, run_dir: str, prompts: int) ->
     return flags + a.extra.split()
 
 
+_SCALARS: dict = {}  # event file -> ((size, mtime_ns), {tag: [(step, wall_time, value), ...]})
+
+
+def _file_scalars(path: str) -> dict:
+    """Every scalar tag of one event file, read once while the file is unchanged (a run's read-back asks for some
+    twenty tags; each read of the file parses all of it)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    st = os.stat(path)
+    stamp = (st.st_size, st.st_mtime_ns)
+    cached = _SCALARS.get(path)
+    if cached is None or cached[0] != stamp:
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        tags = {t: [(e.step, e.wall_time, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+        cached = _SCALARS[path] = (stamp, tags)
+    return cached[1]
+
+
 def scalar_events(tb_dir: str, tag: str) -> List[tuple]:
     """[(step, wall_time, value), ...] of ``tag`` from every event file under ``tb_dir``, in step order (wall_time:
     when the run logged it, Unix seconds)."""
     import glob
 
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     events = []
     for path in glob.glob(os.path.join(tb_dir, "**", "events.out.tfevents.*"), recursive=True):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            events.extend((e.step, e.wall_time, e.value) for e in acc.Scalars(tag))
+        events.extend(_file_scalars(path).get(tag, []))
     return sorted(events)
 
 

@@ -185,6 +185,33 @@ def test_scalar_events_read_steps_wall_times_and_values_in_step_order(tmp_path):
     assert reward_vs_wall(str(tmp_path / "tb"), t0=1000.0) == [[0.0, 0.5], [0.5, 0.25], [2.0, 0.75]]
 
 
+def test_scalar_events_parse_a_file_once_for_all_its_tags_and_again_when_it_grows(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing import event_accumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from benchmarks import common
+
+    parsed = []
+    real = event_accumulator.EventAccumulator
+
+    def counting(path, **kw):
+        parsed.append(path)
+        return real(path, **kw)
+
+    monkeypatch.setattr(event_accumulator, "EventAccumulator", counting)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    writer.add_scalar("a", 1.0, 1, walltime=10.0)
+    writer.add_scalar("b", 2.0, 1, walltime=10.0)
+    writer.flush()
+    assert [v for _, _, v in common.scalar_events(str(tmp_path / "tb"), "a")] == [1.0]
+    assert [v for _, _, v in common.scalar_events(str(tmp_path / "tb"), "b")] == [2.0]
+    assert len(parsed) == 1  # the second tag came from the first parse
+    writer.add_scalar("a", 3.0, 2, walltime=11.0)  # the run goes on: the file grows
+    writer.close()
+    assert [v for _, _, v in common.scalar_events(str(tmp_path / "tb"), "a")] == [1.0, 3.0]
+    assert len(parsed) == 2
+
+
 def test_phase_timing_is_the_mean_after_the_warm_up_steps(tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
