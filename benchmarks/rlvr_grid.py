@@ -293,6 +293,7 @@ def run_once(
         ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
     run["flags"] = flags
+    run["machine"] = machine()
     if task == "rlvr":  # the task's settings this run had (the script's defaults where not given; N_EVAL always)
         from openrlhf_ess.tiny.rlvr import N_EVAL
 
@@ -300,6 +301,65 @@ def run_once(
             k: env[k] for k in ("N_EVAL", "WARM_TARGET", "WARM_CHECK_EVERY", "SAMPLES", "LR", "EVAL_STEPS") if k in env
         }
     return run
+
+
+def machine(cpuinfo: str = "/proc/cpuinfo") -> Dict:
+    """The CPU a run trained on, kept in its record: seconds compare only between runs on one kind of CPU. The
+    script trains in bf16, which torch runs natively only where the CPU has AVX512-BF16 or AMX; on AVX2 alone it
+    emulates bf16 matmuls (one core here: 1.2 GFLOP/s against 64 in fp32), and the same 8-epoch step took about 5x
+    longer. The training is the same computation on both; only the last bits of bf16's rounding may differ."""
+    import torch
+
+    model, flags = "unknown", set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16": "native" if flags & {"avx512_bf16", "amx_bf16"} else "emulated",
+    }
+
+
+def machine_text(run: Dict) -> str:
+    """One line for a run's machine; runs stored before the record kept it say so."""
+    m = run.get("machine")
+    if not m:
+        return "not recorded"
+    return f"{m['cpu']}, {m['cores']} cores, {m['torch_cpu_capability']}, bf16 {m['bf16']}"
+
+
+def machine_table(results: Dict[str, List[Dict]]) -> List[str]:
+    """Which runs ran on which machine, where a file holds more than one: its seconds (step, start-up, run, AUC by
+    wall-clock, time to sync's final) then mix machines and compare only within one."""
+    seen = {machine_text(r) for runs in results.values() for r in runs}
+    if len(seen) < 2:
+        return []
+    lines = [
+        "",
+        "## Machines",
+        "",
+        "These runs ran on more than one machine: the columns in seconds (start-up, run, AUC (wall), time to "
+        "sync's final, step and its ratio to sync's) mix them, so compare seconds only between runs of one "
+        "machine. The evals per step compare across them: the training is the same computation, bf16 native or "
+        "emulated.",
+        "",
+        "| configuration | machine | seeds |",
+        "|---|---|---|",
+    ]
+    for key, runs in results.items():
+        for text in sorted({machine_text(r) for r in runs}):
+            seeds = sorted(r["seed"] for r in runs if machine_text(r) == text)
+            lines.append(f"| {key.replace(' | ', ': ')} | {text} | {', '.join(map(str, seeds))} |")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ measures
@@ -526,6 +586,7 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
             f"{statistics.mean(lags):.2f}" if lags else ("0" if key.startswith("sync") else "not logged"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += machine_table(results)
     lines += against_sync(results, start_value, steps, target, task)
     lines += stamp_table(results)
     lines += time_table(results)

@@ -435,3 +435,40 @@ def test_the_update_is_read_per_step_and_tabled_as_window_means_at_five_checkpoi
     assert cells[:4] == ["async q16 + partial: seq TIS", "3", "2/5/10/15/20", "0.015 / 0.03 / 0.08 / 0.13 / 0.18"]
     assert cells[4] == "–" and cells[5] == "– / – / – / – / 0.5"  # not logged; logged at the end only
     assert rlvr_grid.curves_table({"sync | none": [{"seed": 0, "eval": []}]}) == []  # recorded without curves
+
+
+def test_a_run_records_its_cpu_and_whether_bf16_is_native(tmp_path):
+    info = tmp_path / "cpuinfo"
+    for flags, bf16 in (
+        ("fpu avx2 fma", "emulated"),
+        ("fpu avx2 avx512f avx512_bf16", "native"),
+        ("amx_bf16", "native"),
+    ):
+        info.write_text(f"processor\t: 0\nmodel name\t: Test CPU 9\nflags\t\t: {flags}\nprocessor\t: 1\n")
+        m = rlvr_grid.machine(str(info))
+        assert (m["cpu"], m["bf16"]) == ("Test CPU 9", bf16)
+    assert rlvr_grid.machine(str(tmp_path / "absent"))["cpu"] == "unknown"
+
+
+def test_a_file_of_runs_on_two_machines_says_which_seed_ran_where(tmp_path):
+    fast = {"cpu": "A", "cores": 2, "torch_cpu_capability": "AVX512", "bf16": "native"}
+    slow = {"cpu": "B", "cores": 2, "torch_cpu_capability": "AVX2", "bf16": "emulated"}
+    results = {
+        "sync | none": [_run([(25, 10.0, 0.2), (50, 20.0, 0.4)], seed=s) for s in (0, 1)],
+        "async q8 + partial | TIS": [_run([(25, 5.0, 0.35), (50, 10.0, 0.45)], seed=s) for s in (0, 1, 2)],
+    }
+    for runs in results.values():
+        for r in runs:
+            r.update(lag_mean=None, first_step_s=60.0, wall_s=100.0)
+    results["async q8 + partial | TIS"][1]["machine"] = slow
+    results["async q8 + partial | TIS"][2]["machine"] = slow
+    results["sync | none"][1]["machine"] = fast
+    assert rlvr_grid.machine_table({"sync | none": results["sync | none"][1:]}) == []  # one machine: no section
+    path = tmp_path / "results.md"
+    rlvr_grid.write_table(results, str(path), "python -m benchmarks.rlvr_grid", start_value=0.1)
+    text = path.read_text()
+    assert "## Machines" in text and "compare seconds only between runs of one machine" in text
+    assert "| sync: none | A, 2 cores, AVX512, bf16 native | 1 |" in text
+    assert "| sync: none | not recorded | 0 |" in text
+    assert "| async q8 + partial: TIS | B, 2 cores, AVX2, bf16 emulated | 1, 2 |" in text
+    assert "| async q8 + partial: TIS | not recorded | 0 |" in text
