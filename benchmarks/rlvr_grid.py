@@ -305,9 +305,9 @@ def run_once(
 
 def machine(cpuinfo: str = "/proc/cpuinfo") -> Dict:
     """The CPU a run trained on, kept in its record: seconds compare only between runs on one kind of CPU. The
-    script trains in bf16, which torch runs natively only where the CPU has AVX512-BF16 or AMX; on AVX2 alone it
-    emulates bf16 matmuls (one core here: 1.2 GFLOP/s against 64 in fp32), and the same 8-epoch step took about 5x
-    longer. The training is the same computation on both; only the last bits of bf16's rounding may differ."""
+    script trains in bf16; without AVX512-BF16 or AMX torch emulates bf16 matmuls (on an AVX2 machine here: 1.2
+    GFLOP/s against 64 in fp32 on one core), and the same 8-epoch run's training phase took 5x longer (18.1 s a
+    step against 3.6 s). The training is the same computation on both; only bf16's last bits may round apart."""
     import torch
 
     model, flags = "unknown", set()
@@ -347,9 +347,10 @@ def machine_table(results: Dict[str, List[Dict]]) -> List[str]:
         "",
         "## Machines",
         "",
-        "These runs ran on more than one machine: the columns in seconds (start-up, run, AUC (wall), time to "
-        "sync's final, step and its ratio to sync's) mix them, so compare seconds only between runs of one "
-        "machine. The evals per step compare across them: the training is the same computation, bf16 native or "
+        "These runs ran on more than one machine: every figure in seconds in this file (start-up, run, AUC (wall), "
+        "time to sync's final, an eval's logged − ran, the step's phases) spans them where a row's seeds do, so "
+        "compare seconds only between runs of one machine; the step and its ratio to sync's are left out for such "
+        "rows. The evals per step compare across them: the training is the same computation, bf16 native or "
         "emulated.",
         "",
         "| configuration | machine | seeds |",
@@ -486,6 +487,9 @@ def against_sync(
         step = [r["timing"]["step_total"] for r in runs if "step_total" in r.get("timing", {})]
         step = statistics.mean(step) if step else None
         step_ratio = ratio(step, sync_step) if step is not None and sync_step else None
+        mixed = len({machine_text(r) for r in runs + sync}) > 1  # seconds from two machines: no mean, no ratio
+        if mixed:
+            step = step_ratio = None
         if step_ratio is not None and not key.startswith("sync"):
             async_steps.append(step_ratio)
         reached = "–"
@@ -499,7 +503,7 @@ def against_sync(
             f"{mean_auc:.3f}",
             f"{_times(ratio(mean_auc, sync_auc))} ({_range([a for a in aucs if a is not None])})",
             lag,
-            "–" if step is None else f"{step:.3f}",
+            ("mixed machines" if mixed else "–") if step is None else f"{step:.3f}",
             _times(step_ratio),
             reached,
         ]
@@ -649,7 +653,9 @@ def stamp_table(results: Dict[str, List[Dict]]) -> List[str]:
         "What each eval logged itself: the weight version the engines held while it generated (`eval/weight_version`) "
         "and its start in seconds after the first step's start (`eval/wall_clock_since_step1_s`). Version − step: "
         "how many steps newer the measured weights were than the step the eval is labelled with; logged − ran: how "
-        "long after its start the trainer logged it. Mean [min, max] over every stamped eval.",
+        "long after its start the trainer logged it, the log counted from the first step's log and the start from "
+        "the first step's start, so it understates the delay by the first step's own seconds and can fall below 0 "
+        "where that step was long. Mean [min, max] over every stamped eval.",
         "",
         "| configuration | stamped evals | version − step | logged − ran (s) |",
         "|---|---|---|---|",

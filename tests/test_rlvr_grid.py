@@ -472,3 +472,18 @@ def test_a_file_of_runs_on_two_machines_says_which_seed_ran_where(tmp_path):
     assert "| sync: none | not recorded | 0 |" in text
     assert "| async q8 + partial: TIS | B, 2 cores, AVX2, bf16 emulated | 1, 2 |" in text
     assert "| async q8 + partial: TIS | not recorded | 0 |" in text
+
+
+def test_steps_on_two_machines_are_neither_averaged_nor_set_against_sync():
+    slow = {"cpu": "B", "cores": 2, "torch_cpu_capability": "AVX2", "bf16": "emulated"}
+    sync = [_run([(25, 10.0, 0.2), (50, 20.0, 0.4)], seed=0)]
+    same = [_run([(25, 5.0, 0.35), (50, 10.0, 0.45)], seed=0)]
+    apart = [_run([(25, 5.0, 0.35), (50, 10.0, 0.45)], seed=s) for s in (0, 1)]
+    apart[1]["machine"] = slow
+    for r, step in ((sync[0], 2.0), (same[0], 3.0), (apart[0], 3.0), (apart[1], 12.0)):
+        r.update(lag_mean=None, timing={"step_total": step})
+    results = {"sync | none": sync, "async q8 + partial | TIS": same, "async q8 + partial | none": apart}
+    text = "\n".join(rlvr_grid.against_sync(results, 0.1, [25, 50], None))
+    assert "| 3.000 | 1.50× |" in text  # one machine: 3 s against sync's 2 s
+    assert "| mixed machines | – |" in text and "7.500" not in text
+    assert "Every async row's step against sync's: 1.50×." in text
