@@ -306,7 +306,7 @@ def run_once(
 def machine(cpuinfo: str = "/proc/cpuinfo") -> Dict:
     """The CPU a run trained on, kept in its record: seconds compare only between runs on one kind of CPU. The
     script trains in bf16; without AVX512-BF16 or AMX torch emulates bf16 matmuls (on an AVX2 machine here: 1.2
-    GFLOP/s against 64 in fp32 on one core), and the same 8-epoch run's training phase took 5x longer (18.1-18.5 s a
+    GFLOP/s against 64 in fp32 on one core), and the same 8-epoch run's training phase took 5x longer (18.1-18.8 s a
     step against 3.6 s). The training is the same computation on both; only bf16's last bits may round apart."""
     import torch
 
