@@ -338,8 +338,8 @@ def machine_text(run: Dict) -> str:
 
 
 def machine_table(results: Dict[str, List[Dict]]) -> List[str]:
-    """Which runs ran on which machine, where a file holds more than one: its seconds (step, start-up, run, AUC by
-    wall-clock, time to sync's final) then mix machines and compare only within one."""
+    """Which runs ran on which machine, where a file holds more than one: every figure in seconds then spans
+    machines where a row's seeds do (:func:`against_sync` leaves such rows' step and its ratio out)."""
     seen = {machine_text(r) for runs in results.values() for r in runs}
     if len(seen) < 2:
         return []
