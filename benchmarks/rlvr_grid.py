@@ -154,6 +154,7 @@ CURVES = {
     "reward": "train/reward",
     "well_formed": "train/well_formed",
     "k1_mu_prox": "train/mismatch/k1",
+    "ess_frac": "train/mismatch/ess_frac",
     "tis_weight": "train/tis/mean_weight",
     "ppo_kl": "train/ppo_kl",
     "ppo_clip": "train/ppo_clip_ratio",
@@ -294,6 +295,7 @@ def run_once(
     ).stdout.strip()
     run["flags"] = flags
     run["machine"] = machine()
+    run["dtype"] = run_dtypes(flags)
     if task == "rlvr":  # the task's settings this run had (the script's defaults where not given; N_EVAL always)
         from openrlhf_ess.tiny.rlvr import N_EVAL
 
@@ -301,6 +303,17 @@ def run_once(
             k: env[k] for k in ("N_EVAL", "WARM_TARGET", "WARM_CHECK_EVERY", "SAMPLES", "LR", "EVAL_STEPS") if k in env
         }
     return run
+
+
+def run_dtypes(flags: List[str]) -> Dict[str, str]:
+    """The trainer's and the engine's dtypes a run's flags ask for (the last occurrence wins, as argparse reads them;
+    not given: the CLI's bf16 on both). In fp32 on both sides staleness is the only source of μ ≠ π_prox."""
+
+    def last(flag: str, default: str) -> str:
+        found = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == flag]
+        return found[-1] if found else default
+
+    return {"trainer": last("--ds.param_dtype", "bf16"), "engine": last("--vllm.dtype", "bfloat16")}
 
 
 def machine(cpuinfo: str = "/proc/cpuinfo") -> Dict:
@@ -330,11 +343,13 @@ def machine(cpuinfo: str = "/proc/cpuinfo") -> Dict:
 
 
 def machine_text(run: Dict) -> str:
-    """One line for a run's machine; runs stored before the record kept it say so."""
+    """One line for a run's machine and its dtypes; runs stored before the record kept them say so."""
     m = run.get("machine")
     if not m:
         return "not recorded"
-    return f"{m['cpu']}, {m['cores']} cores, {m['torch_cpu_capability']}, bf16 {m['bf16']}"
+    text = f"{m['cpu']}, {m['cores']} cores, {m['torch_cpu_capability']}, bf16 {m['bf16']}"
+    d = run.get("dtype")  # runs recorded before it was kept trained bf16 on both sides
+    return text if not d else f"{text}; trainer {d['trainer']}, engine {d['engine']}"
 
 
 def machine_table(results: Dict[str, List[Dict]]) -> List[str]:

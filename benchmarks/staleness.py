@@ -93,6 +93,17 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "VCPO + snapshot": VCPO_VARIANT + SNAPSHOT,
     "VCPO (recipe)": ["--algo.vcpo_enable"],
     "TIS + EWMA (Hilton)": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "hilton"],
+    # AReaL's decoupled PPO with upstream's flags: π_prox recomputed at the step's weights (the default), the
+    # behaviour weight π_prox/μ per token, tokens whose weight exceeds 5 masked (AReaL's behav_imp_weight_cap)
+    "AReaL (decoupled)": [
+        "--algo.advantage.is_correction_level",
+        "token",
+        "--algo.advantage.is_correction_mode",
+        "mask",
+        "--algo.advantage.is_correction_threshold",
+        "0",
+        "5",
+    ],
 }
 ALL_CORRECTIONS = {**CORRECTIONS, **EXTRA_CORRECTIONS}
 STALENESS: Dict[str, List[str]] = {
@@ -104,7 +115,22 @@ STALENESS: Dict[str, List[str]] = {
 # q10, the GPU recipe's mapping of VCPO's reference staleness bound of 10 versions (docs/opob.md)
 for _q in (2, 8, 10, 16):
     STALENESS[f"async q{_q} + partial"] = STALENESS["async q1 + partial"][:-1] + [str(_q)]
-STALENESS = {k: STALENESS[k] for k in sorted(STALENESS, key=lambda k: -1 if k == "sync" else int(k[7:].split()[0]))}
+# A lag set exactly (--train.stale_k K, synchronous): every batch sampled by the weights K versions back; with one
+# optimizer step per batch (the RLVR task's default) K versions are K optimizer steps, the anchors' unit
+STALE_K = (1, 2, 4, 8, 16, 32, 64)
+for _k in STALE_K:
+    STALENESS[f"stale k{_k}"] = ["--train.stale_k", str(_k)]
+
+
+def _level_order(key: str):
+    if key == "sync":
+        return (0, 0)
+    if key.startswith("stale k"):
+        return (2, int(key[len("stale k") :]))
+    return (1, int(key[7:].split()[0]))
+
+
+STALENESS = {k: STALENESS[k] for k in sorted(STALENESS, key=_level_order)}
 DEFAULT_STALENESS = ["sync", "async q1 + partial", "async q4 + partial"]
 # In synchronous training every token is lag 0: the exact and EWMA proximal policies equal recompute's.
 SYNC_CORRECTIONS = ("none", "TIS", "bypass")
@@ -129,12 +155,17 @@ WALL = "wall/reward"
 
 def config_flags(level: str, name: str) -> List[str]:
     """The CLI flags of one grid cell. A snapshot correction keeps as many versions as the level's queue can lag
-    (queue + 1 with partial rollouts, + 1): 8 covers q1 and q4 (the recorded grid), q8 + partial needs 10."""
+    (queue + 1 with partial rollouts, + 1): 8 covers q1 and q4 (the recorded grid), q8 + partial needs 10; at a
+    lag set to K, K + 1."""
     flags = STALENESS[level] + ALL_CORRECTIONS[name]
     if "--algo.prox_snapshots" in flags and "--train.async_queue_size" in flags:
         queue = int(flags[flags.index("--train.async_queue_size") + 1])
         i = flags.index("--algo.prox_snapshots") + 1
         flags = flags[:i] + [str(max(int(flags[i]), queue + 2))] + flags[i + 1 :]
+    if "--algo.prox_snapshots" in flags and "--train.stale_k" in flags:  # versions v - K ... v
+        k = int(flags[flags.index("--train.stale_k") + 1])
+        i = flags.index("--algo.prox_snapshots") + 1
+        flags = flags[:i] + [str(max(int(flags[i]), k + 1))] + flags[i + 1 :]
     return flags
 
 

@@ -72,6 +72,17 @@ def test_rollout_metrics_histogram_and_mismatch():
     assert out["mismatch/k3"] == pytest.approx((1 - math.log(2)) / 2)
     assert out["mismatch/chi2"] == pytest.approx(1.5)
     assert out["mismatch/max_abs_log_ratio"] == pytest.approx(math.log(2))
+    assert out["mismatch/ess_frac"] == pytest.approx(1.0)  # one trajectory: ESS/B = 1 by definition
+
+
+def test_rollout_metrics_ess_of_the_geometric_mean_weights():
+    # w_1 = exp(mean(0, 0)) = 1; trajectory 2 has one response token (its second column is masked) with
+    # log π_prox − log μ = log 4, so w_2 = 4; ESS/B = (1 + 4)^2 / (2 · (1 + 16)) = 25/34
+    prox = [torch.tensor([[-1.0, -2.0], [-1.0, -5.0]])]
+    mu = [torch.tensor([[-1.0, -2.0], [-1.0 - math.log(4.0), -9.0]])]
+    mask = [torch.tensor([[True, True], [True, False]])]
+    out = rollout_metrics(torch.tensor([0, 0, 0]), torch.tensor(0.0), prox, mu, mask)
+    assert out["mismatch/ess_frac"] == pytest.approx(25 / 34)
 
 
 def test_tis_weights_token_and_seq():

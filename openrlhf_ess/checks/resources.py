@@ -298,6 +298,8 @@ def host_memory_needs(args: types.SimpleNamespace, model: int) -> Dict[str, int]
       about 3·m) and Ray keeps a copy of it per engine until each has taken it (E·m); each engine's TP workers
       each stage the whole model as it arrives (M) plus a message and its parsed tensors (2·m), and the engine's
       front end holds the message in transit (2·m): TP·(M + 2·m) + 2·m on the engine's node;
+    - ``--train.stale_k K``: the weights of versions v − K … v as host copies (K + 1)·M on rank 0, or under ZeRO-3 a
+      partition per rank, (K + 1)·M·(ranks per node / ranks) per node (``trainer/stale_lag.py``);
     - ``--algo.prox_mode dedicated``: rank 0 keeps the sync's messages for the scorer (M; without ``reload``, its
       CPU copy and the messages: 2·M), and the scorer's received messages and parsed copy (2·M);
     - ``--vllm.max_restarts`` > 0 (engine replacement, ``trainer/ray/engine_keeper.py``): rank 0 puts each message
@@ -328,6 +330,17 @@ def host_memory_needs(args: types.SimpleNamespace, model: int) -> Dict[str, int]
         else:
             needs["actor rank 0 (the dedicated model's weights)"] = 2 * model
         needs["the dedicated pi_prox model (--algo.prox_mode dedicated)"] = 2 * model
+    k = config.stale_k(args)
+    if k > 0:  # trainer/stale_lag.py: versions v - K ... v, on rank 0 or (ZeRO-3) a partition on every rank
+        copies = k + 1
+        if args.ds.zero_stage == 3:
+            ranks = max(1, int(args.actor.num_nodes) * int(args.actor.num_gpus_per_node))
+            per_node = min(ranks, int(args.actor.num_gpus_per_node))
+            needs[f"each actor node's {per_node} rank(s) (--train.stale_k {k}: {copies} copies, a partition each)"] = (
+                copies * model * per_node // ranks
+            )
+        else:
+            needs[f"actor rank 0 (--train.stale_k {k}: {copies} host copies of the weights)"] = copies * model
     return needs
 
 

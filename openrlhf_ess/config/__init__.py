@@ -61,6 +61,7 @@ from openrlhf_ess.config.resolve import (
     reward_file,
     routing_replay_on,
     sampling_mask_on,
+    stale_k,
     truncates_sampling,
 )
 from openrlhf_ess.config.validation import TRAINER_DTYPES, validate, validate_before_upstream
@@ -117,6 +118,7 @@ __all__ = [
     "routing_replay_on",
     "sampling_mask_on",
     "shown",
+    "stale_k",
     "truncates_sampling",
     "validate",
     "validate_before_upstream",

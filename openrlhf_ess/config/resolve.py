@@ -195,7 +195,14 @@ def mu_consumers(args: types.SimpleNamespace) -> List[str]:
         out.append(f"--algo.prox_mode {algo.prox_mode}")
     if sampling_mask_on(args):
         out.append("--algo.sampling_mask keep")
+    if stale_k(args):  # its mismatch/* metrics: KL(mu || pi_prox) at the lag set
+        out.append(f"--train.stale_k {stale_k(args)}")
     return out
+
+
+def stale_k(args: types.SimpleNamespace) -> int:
+    """--train.stale_k: the version lag set exactly (0: off)."""
+    return int(getattr(args.train, "stale_k", 0) or 0)
 
 
 def reward_file(args: types.SimpleNamespace):
@@ -253,5 +260,5 @@ def logical_gpus_needed(args: types.SimpleNamespace) -> int:
 def max_lag_possible(args: types.SimpleNamespace) -> int:
     """The deepest version lag a token can have when consumed, given the queue (and partial rollouts)."""
     if not args.train.async_enable:
-        return 0
+        return stale_k(args)
     return args.train.async_queue_size + (1 if args.train.partial_rollout_enable else 0)

@@ -199,6 +199,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             "--algo.ess_lr_floor/--algo.ess_lr_weight/--algo.ess_lr_rule are set but --algo.ess_lr_enable is not: "
             "add --algo.ess_lr_enable, or drop them."
         )
+    _validate_stale(args)
     _validate_off_policy(args, notices)
     _validate_sampling_mask(args, notices)
     _validate_auto_resume(args)
@@ -447,11 +448,16 @@ def _validate_prox(args: types.SimpleNamespace, notices: List[str]) -> None:
         if algo.max_version_lag is not None:
             needed = min(needed, algo.max_version_lag + 1)
         if algo.prox_snapshots < needed:
+            source = (
+                f"--train.stale_k {resolve.stale_k(args)}"
+                if not args.train.async_enable
+                else f"--train.async_queue_size {args.train.async_queue_size}"
+                f"{' and partial rollouts' if args.train.partial_rollout_enable else ''}"
+            )
             raise ConfigError(
                 f"--algo.prox_snapshots {algo.prox_snapshots} is smaller than the {needed} versions a token can lag "
-                f"behind with --train.async_queue_size {args.train.async_queue_size}"
-                f"{' and partial rollouts' if args.train.partial_rollout_enable else ''}: tokens would lose their "
-                f"weights. Set --algo.prox_snapshots {needed} (or bound --algo.max_version_lag)."
+                f"behind with {source}: tokens would lose their weights. Set --algo.prox_snapshots {needed} (or "
+                "bound --algo.max_version_lag)."
             )
     if mode == "ewma" and algo.prox_ewma_decay != EWMA_DECAY_AUTO and not 0 < algo.prox_ewma_decay < 1:
         raise ConfigError(f"--algo.prox_ewma_decay must be in (0, 1) or auto, got {algo.prox_ewma_decay}.")
@@ -602,6 +608,36 @@ def _validate_replacement(args: types.SimpleNamespace) -> None:
         )
     if why:
         raise ConfigError(f"--vllm.max_restarts {n}: {why}, or --vllm.max_restarts 0 (a dead engine stops the run).")
+
+
+def _validate_stale(args: types.SimpleNamespace) -> None:
+    """--train.stale_k K (trainer/stale_lag.py): synchronous training, the engines holding weights K versions back."""
+    k = getattr(args.train, "stale_k", 0)
+    if k < 0:
+        raise ConfigError(f"--train.stale_k must be >= 0 (0 = off), got {k}.")
+    if k == 0:
+        return
+    if args.train.async_enable:
+        raise ConfigError(
+            f"--train.stale_k {k} sets every token's lag exactly in synchronous training; --train.async_enable would "
+            "add the queue's own lag on top. Drop --train.async_enable (or drop --train.stale_k to measure the "
+            "queue's lag as it comes)."
+        )
+    if not args.vllm.num_engines:
+        raise ConfigError(f"--train.stale_k {k} holds the vLLM engines' weights back: set --vllm.num_engines >= 1.")
+    if args.algo.prox_mode in SCORE_AT_SYNC_MODES:
+        raise ConfigError(
+            f"--train.stale_k {k} with --algo.prox_mode {args.algo.prox_mode}: that mode scores the tokens of the "
+            "version the trainer leaves at each sync, while here the engines hold one K versions older. Use "
+            f"--algo.prox_mode snapshot with --algo.prox_snapshots {k + 1} (the same exact pi_prox, from the copies "
+            "this lag keeps anyway)."
+        )
+    if args.ckpt.load_enable or args.train.auto_resume > 0:
+        raise ConfigError(
+            f"--train.stale_k {k} cannot resume from a checkpoint yet: the engines' K older versions are not saved "
+            "with it, so a resumed run would sample from other weights than the lag says. Drop "
+            "--ckpt.load_enable / --train.auto_resume, or run without --train.stale_k."
+        )
 
 
 def _validate_auto_resume(args: types.SimpleNamespace) -> None:

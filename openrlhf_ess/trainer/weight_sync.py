@@ -407,7 +407,13 @@ class WeightSync:
         self._compare(canary)
 
     def _compare(self, canary: bool) -> None:
-        """The check itself (all ranks): per-tensor checksums against every engine's, then the canary if asked."""
+        """The check itself (all ranks): per-tensor checksums against every engine's, then the canary if asked. With
+        --train.stale_k the trainer's side is the version the engines were sent (``stale_lag.py``), not its own."""
+        stale = getattr(self.trainer, "stale", None)
+        with stale.engine_weights() if stale is not None else contextlib.nullcontext():
+            self._compare_held(canary)
+
+    def _compare_held(self, canary: bool) -> None:
         ours = self.trainer_checksums()
         if torch.distributed.get_rank() == 0:
             dtype = str(next(self.trainer.actor.model.module.parameters()).dtype)

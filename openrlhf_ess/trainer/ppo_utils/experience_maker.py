@@ -293,7 +293,8 @@ def mask_stale_tokens(action_mask: torch.Tensor, versions: torch.Tensor, version
 
 
 def rollout_metrics(lags: torch.Tensor, stale: torch.Tensor, prox: list, mu: list, masks: list) -> Dict[str, float]:
-    """Batch-global metrics: version-lag histogram, stale-token count, train/rollout mismatch."""
+    """Batch-global metrics: version-lag histogram, stale-token count, train/rollout mismatch (k1, k3, χ², the largest
+    |log ratio|, and ESS/B of the per-trajectory geometric-mean weights)."""
     out: Dict[str, float] = {}
     n = max(lags.numel(), 1)
     if lags.numel():
@@ -308,4 +309,9 @@ def rollout_metrics(lags: torch.Tensor, stale: torch.Tensor, prox: list, mu: lis
         mask = torch.cat(masks)
         stats = corrections.mismatch_stats(torch.cat(prox)[mask], torch.cat(mu)[mask])
         out.update({f"mismatch/{k}": v for k, v in zip(("k1", "k3", "chi2", "max_abs_log_ratio"), stats.tolist())})
+        # ESS/B of the seed's per-trajectory weights w_i = exp(mean_t log π_prox/μ), whatever corrects the loss: the
+        # staleness monitor of every run (ESS-LR's rho_ess is the same number where it is on with its default form)
+        rows = [torch.atleast_2d(t) for t in (torch.cat(prox), torch.cat(mu), mask)]  # (B, A) trajectories
+        log_w, valid = corrections.sequence_log_weights(*rows)
+        out["mismatch/ess_frac"] = corrections.ess_ratio(log_w, valid).item()
     return out

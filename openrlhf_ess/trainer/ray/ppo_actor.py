@@ -11,6 +11,7 @@ found from its flag in one hop:
 - truncated-support log-probs (``--algo.sampling_mask keep``): ``trainer/sampling_mask.py``
 - MoE routing replay (``--algo.routing_replay``): ``trainer/routing_replay.py``
 - VCPO's optimal baseline (``--algo.advantage.baseline opob``): ``trainer/opob.py``
+- a version lag set exactly (``--train.stale_k``): ``trainer/stale_lag.py``
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from openrlhf_ess.trainer import (  # noqa: E402
     routing_replay,
     sampling_mask,
     saving,
+    stale_lag,
 )
 from openrlhf_ess.trainer.prox_sources import ProxSources  # noqa: E402
 from openrlhf_ess.trainer.ray.rendezvous import RendezvousPort  # noqa: E402
@@ -56,6 +58,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         if algo.tis_cap is not None:  # seq: the TIS maths; both levels: the check that μ reached the loss
             self.actor_loss_fn = PolicyLoss.from_upstream(self.actor_loss_fn, algo.tis_cap, algo.tis_level)
         self.prox = ProxSources(self.args, self.actor.model, self.weight_version)
+        self.stale = self._stale_engine_weights()
         self.weight_sync = WeightSync(self)
         self.weight_sync.audit(self.weight_version)
         self.stop_ids = None  # --algo.sampling_mask keep: the engine's stop tokens (banned at min_tokens positions)
@@ -70,6 +73,18 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         if algo.ess_lr_enable:
             # After deepspeed.initialize (done by strategy.prepare), which takes a dummy step.
             self.lr_scale_hook = ess_lr.LrScaleHook(ess_lr.innermost_optimizer(self.actor.model))
+
+    def _stale_engine_weights(self):
+        """--train.stale_k K: the weights the engines are sent, K versions behind (trainer/stale_lag.py); None off."""
+        k = int(getattr(self.args.train, "stale_k", 0) or 0)
+        if k <= 0:
+            return None
+        partitioned = prox.is_partitioned(self.actor.model.module)
+        cuda_ipc = bool(getattr(self, "use_cuda_ipc", False))
+        keeps = stale_lag.keeps_copies(partitioned, cuda_ipc, torch.distributed.get_rank())
+        snapshots = self.prox.snapshots  # --algo.prox_mode snapshot: every version from v - K is kept there already
+        shared = snapshots if snapshots is not None and snapshots.keep >= stale_lag.host_copies(k) else None
+        return stale_lag.StaleEngineWeights(k, self.actor.model, partitioned, keeps, shared)
 
     # π_prox stores, as tests and the checkpoint code see them
     snapshots = property(lambda self: self.prox.snapshots)
@@ -156,6 +171,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             status["actor_lr_effective"] = self.actor_scheduler.get_last_lr()[0] * scale
         if self.prox.active:
             status.update(self.prox.metrics())
+        if self.stale is not None:
+            status.update(self.stale.metrics())
         status.update(sync_metrics)
         return status
 
@@ -188,23 +205,38 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         """Sync weights to the engines (ours with reload, upstream's broadcast otherwise), then advance the
         weight version. The version is set while generation is paused (partial rollouts) or idle (otherwise),
         so the engines can tag every token with the weights that sampled it. With --vllm.enable_sleep the sync
-        check runs here too, while the controller holds the engines' weights awake (WeightSync.after_sync)."""
+        check runs here too, while the controller holds the engines' weights awake (WeightSync.after_sync).
+        With --train.stale_k K the weights sent are those of K versions before the new one (trainer/stale_lag.py),
+        swapped into the actor for the transport, and the engines are told that version."""
+        if self.stale is None:
+            self._send_weights()
+            self.advance_version()
+        else:
+            sent = self.stale.to_send(self.weight_version + 1)
+            with self.stale.weights_of(sent):
+                self._send_weights()
+            self.advance_version(sent)
+            self.stale.after_sync(self.weight_version, sent)
+        self.weight_sync.after_sync()
+
+    def _send_weights(self):
+        """The actor's weights as they are now to every engine, by the configured transport."""
         if self.strategy.args.vllm.sync_backend == config.RELOAD_BACKEND:
             self.weight_sync.push()
         elif self.args.vllm.max_restarts > 0:  # replacement with upstream's broadcast (trainer/ray/engine_keeper.py)
             self.weight_sync.broadcast_replaceable(super().broadcast_to_vllm)
         else:
             super().broadcast_to_vllm()
-        self.advance_version()
-        self.weight_sync.after_sync()
 
-    def advance_version(self):
-        """After a complete weight sync: count it, snapshot the weights (snapshot mode), tell the engines."""
+    def advance_version(self, engine_version=None):
+        """After a complete weight sync: count it, snapshot the weights (snapshot mode), tell the engines the version
+        they now hold (``engine_version``: the trainer's own unless --train.stale_k sent an older one)."""
         self.weight_version += 1
         self.prox.after_sync(self.weight_version)
-        self.weight_sync.audit(self.weight_version)
+        self.weight_sync.audit(self.weight_version)  # each version once, when the trainer first holds it
         if self.vllm_engines and config.needs_versions(self.args) and torch.distributed.get_rank() == 0:
-            ray.get([engine.set_weight_version.remote(self.weight_version) for engine in self.vllm_engines])
+            held = self.weight_version if engine_version is None else engine_version
+            ray.get([engine.set_weight_version.remote(held) for engine in self.vllm_engines])
 
     def weights_blob(self):
         return self.weight_sync.weights_blob()
