@@ -458,6 +458,100 @@ def sooner(run: Dict, sync_run: Optional[Dict], threshold: float) -> bool:
 FROZEN = "frozen policy (the start, never trained)"
 
 
+def stale_k_of(run: Dict) -> Optional[int]:
+    """The lag a run set with --train.stale_k (the last value of its flags), None where it set none."""
+    flags = run.get("flags", [])
+    found = [int(flags[i + 1]) for i, f in enumerate(flags[:-1]) if f == "--train.stale_k"]
+    return found[-1] if found else None
+
+
+def steps_per_version(run: Dict) -> int:
+    """Optimizer steps per weight version: the epochs a batch (--train.max_epochs, 1 unless given), the script's
+    --train.batch_size being the whole rollout batch (one minibatch)."""
+    flags = run.get("flags", [])
+    found = [int(flags[i + 1]) for i, f in enumerate(flags[:-1]) if f == "--train.max_epochs"]
+    return found[-1] if found else 1
+
+
+def first_below(run: Dict, start_value: float) -> Optional[int]:
+    """The first eval step whose value is below the start's own eval, None if none is."""
+    return next((int(e[0]) for e in run["eval"] if e[3] < start_value), None)
+
+
+def steps_to(run: Dict, threshold: float) -> Optional[int]:
+    """The first eval step whose value reaches ``threshold``, None if none does."""
+    return next((int(e[0]) for e in run["eval"] if e[3] >= threshold), None)
+
+
+def curve_mean(run: Dict, name: str, first: int = 1) -> Optional[float]:
+    """The mean of a recorded curve (:data:`CURVES`) over its steps from ``first`` on; None where not recorded."""
+    values = [v for s, v in (run.get("curves") or {}).get(name, []) if s >= first]
+    return statistics.mean(values) if values else None
+
+
+def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[int]) -> List[str]:
+    """The rows run at a lag set exactly (--train.stale_k), each seed against sync's run of the same seed: the gain
+    over the start as a multiple of sync's, the step where the run first fell below the start, the steps to 0.9×
+    sync's final accuracy (and that over sync's own, r: the extra steps the lag costs), and the staleness the update
+    saw: KL(μ‖π_prox) (k1; with one step a batch π_prox is π_θ at the step's start) and ESS/B of the per-trajectory
+    weights, each the mean over the steps from K + 1 on (where every token has the lag K). [] where no row set one."""
+    sync = {r["seed"]: r for r in results.get("sync | none", [])}
+    keyed = [(k, runs) for k, runs in results.items() if runs and stale_k_of(runs[0]) is not None]
+    if not sync or not keyed:
+        return []
+    target = 0.9 * statistics.mean(final_acc(r, steps=steps) for r in sync.values())
+    sync_to = [steps_to(r, target) for r in sync.values()]
+    sync_to = [x for x in sync_to if x is not None]
+    sync_steps = statistics.mean(sync_to) if sync_to else None
+
+    def cell(values, fmt):
+        return ", ".join("–" if v is None else fmt(v) for v in values)
+
+    lines = [
+        "",
+        "## At a lag set exactly (--train.stale_k), per seed",
+        "",
+        "K in versions and in optimizer steps (steps a version × K). Gain: each seed's gain over the start as a "
+        "multiple of sync's run of the same seed. Below start: the first eval step under the start's "
+        f"{start_value:.3f} (– never). To 0.9×: the first eval step at ≥ 0.9 × sync's mean final ({target:.3f}; "
+        f"sync's seeds reached it at {cell(sync_to, str) or 'never'}); r = its mean over sync's. k1 and ESS/B: means "
+        "over steps K + 1 on.",
+        "",
+        "| configuration | K (versions / optimizer steps) | seeds | gain × sync's, per seed | below start at step | "
+        "to 0.9× sync's final (steps) | r | k1(μ‖π_prox), per seed | ESS/B, per seed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, runs in keyed:
+        runs = sorted(runs, key=lambda r: r["seed"])
+        k = stale_k_of(runs[0])
+        per_version = {steps_per_version(r) for r in runs}
+        unit = f"{k} / {k * next(iter(per_version))}" if len(per_version) == 1 else f"{k} / mixed"
+        gains = [
+            ratio(auc_steps(r, steps) - start_value, auc_steps(sync[r["seed"]], steps) - start_value)
+            if r["seed"] in sync
+            else None
+            for r in runs
+        ]
+        to = [steps_to(r, target) for r in runs]
+        reached = [x for x in to if x is not None]
+        r_cost = (
+            ratio(statistics.mean(reached), sync_steps) if reached and sync_steps and len(reached) == len(to) else None
+        )
+        cells = [
+            key.replace(" | ", ": "),
+            unit,
+            str(len(runs)),
+            cell(gains, lambda g: f"{g:.2f}".replace("-", "−")),
+            cell([first_below(r, start_value) for r in runs], str),
+            cell(to, str),
+            "–" if r_cost is None else f"{r_cost:.2f}",
+            cell([curve_mean(r, "k1_mu_prox", k + 1) for r in runs], lambda v: f"{v:.3f}"),
+            cell([curve_mean(r, "ess_frac", k + 1) for r in runs], lambda v: f"{v:.3f}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def against_sync(
     results: Dict[str, List[Dict]], start_value: float, steps: List[int], target: Optional[float], task: str = "rlvr"
 ) -> List[str]:
@@ -607,6 +701,7 @@ def write_table(results: Dict[str, List[Dict]], path: str, command: str, start_v
         lines.append("| " + " | ".join(cells) + " |")
     lines += machine_table(results)
     lines += against_sync(results, start_value, steps, target, task)
+    lines += lag_table(results, start_value, steps)
     lines += stamp_table(results)
     lines += time_table(results)
     if task == "target":

@@ -487,3 +487,27 @@ def test_steps_on_two_machines_are_neither_averaged_nor_set_against_sync():
     assert "| 3.000 | 1.50× |" in text  # one machine: 3 s against sync's 2 s
     assert "| mixed machines | – |" in text and "7.500" not in text
     assert "Every async row's step against sync's: 1.50×." in text
+
+
+def test_the_lag_table_per_seed_worked_by_hand():
+    # start 0.2; sync: evals 0.3, 0.5 (final over the last two = 0.4, so the target is 0.9 × 0.4 = 0.36)
+    sync = _run([(25, 10.0, 0.3), (50, 20.0, 0.5)])
+    held = _run([(25, 10.0, 0.25), (50, 20.0, 0.45)])  # gain 0.15 against sync's 0.2: 0.75×; reaches 0.36 at 50
+    fell = _run([(25, 10.0, 0.1), (50, 20.0, 0.15)])  # gain −0.075: −0.375×, below the start from step 25, never 0.36
+    held["flags"] = ["--train.stale_k", "16", "--train.max_epochs", "2"]
+    fell["flags"] = ["--train.stale_k", "16"]
+    held["curves"] = {"k1_mu_prox": [[s, 0.1 if s <= 16 else 0.5] for s in range(1, 51)]}
+    held["curves"]["ess_frac"] = [[s, 1.0 if s <= 16 else 0.8] for s in range(1, 51)]
+    results = {"sync | none": [sync], "stale k16 | TIS": [held], "stale k16 | none": [fell]}
+    text = "\n".join(rlvr_grid.lag_table(results, 0.2, [25, 50]))
+    # sync reached 0.36 at step 50, so r = 50 / 50 = 1.00; steps 17-50 give the k1 and ESS/B means
+    assert "| stale k16: TIS | 16 / 32 | 1 | 0.75 | – | 50 | 1.00 | 0.500 | 0.800 |" in text
+    assert "| stale k16: none | 16 / 16 | 1 | −0.38 | 25 | – | – | – | – |" in text
+    assert "0.9 × sync's mean final (0.360; sync's seeds reached it at 50)" in text
+    assert rlvr_grid.lag_table({"sync | none": [sync]}, 0.2, [25, 50]) == []  # no row set a lag
+
+
+def test_each_run_records_the_dtypes_its_flags_ask_for():
+    assert rlvr_grid.run_dtypes([]) == {"trainer": "bf16", "engine": "bfloat16"}
+    flags = ["--ds.param_dtype", "bf16", "--vllm.dtype", "float32", "--ds.param_dtype", "fp32"]
+    assert rlvr_grid.run_dtypes(flags) == {"trainer": "fp32", "engine": "float32"}  # argparse: the last one wins
