@@ -182,6 +182,11 @@ def test_host_memory_counts_the_copies():
     args.ds.zero_stage = 3  # 16 ranks, 8 on a node: half of each copy per node
     needs = resources.host_memory_needs(args, 14 * gib)
     assert list(needs.values()) == [5 * 14 * gib // 2]
+    # per node: 5 copies x 14 GiB / 2 = 35 GiB fit in 64 GiB; at K = 16, 17 x 14 / 2 = 119 GiB do not
+    resources.check_host_memory(args, [{"memory": 64 * gib}], 14 * gib)
+    args.train.stale_k = 16
+    with pytest.raises(resources.ResourceError, match="--train.stale_k 16: 17 copies"):
+        resources.check_host_memory(args, [{"memory": 64 * gib}], 14 * gib)
 
 
 # ---- the real stack -------------------------------------------------------------------------------
