@@ -82,6 +82,62 @@ def test_full_norms_through_upstreams_actor_one_row_per_pass():
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)  # returned in fp32
 
 
+def _count_linear_runs(model):
+    """Per linear module, how many of its forwards ran to the end (an instance-level wrapper, not a hook: the
+    pass's own hooks are not what is counted)."""
+    import collections
+
+    counts = collections.Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+
+            def run(*args, _forward=module.forward, _name=name, **kwargs):
+                out = _forward(*args, **kwargs)
+                counts[_name] += 1
+                return out
+
+            module.forward = run
+    return counts
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_pass_runs_each_linear_as_often_as_a_training_step(reentrant):
+    """Gradient checkpointing on: the pass's forward and recomputation run each linear exactly as often as a
+    training step's forward and backward under upstream's default (non-re-entrant, early stop): twice inside a
+    checkpointed layer, except down_proj, at which the recomputation stops (once), and the LM head once. A
+    re-entrant step recomputes down_proj too; the pass never does."""
+    model = tiny_qwen2(vocab=96).double()
+    seq, att, am = _batch(96, seed=5)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    counts = _count_linear_runs(model)
+    _log_prob_sums(model, seq, att, am, 1.0).sum().backward()
+    step = dict(counts)
+    counts.clear()
+    model.zero_grad(set_to_none=True)
+    trainer_opob.model_sq_grad_norms(model, lambda: _log_prob_sums(model, seq, att, am, 1.0))
+    passed = dict(counts)
+    # written from the architecture: 2 layers x (q, k, v, o, gate, up, down) + the LM head
+    body = {
+        f"model.layers.{i}.{m}": 2
+        for i in (0, 1)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        )
+    }
+    want = {**body, "model.layers.0.mlp.down_proj": 1, "model.layers.1.mlp.down_proj": 1, "lm_head": 1}
+    assert passed == want
+    if reentrant:
+        assert step == {**want, "model.layers.0.mlp.down_proj": 2, "model.layers.1.mlp.down_proj": 2}
+    else:
+        assert step == passed
+
+
 # Tiny random models of each family the docs name: 2 layers, head_dim 32, a small vocabulary, built in memory.
 FAMILIES = {
     "qwen2": dict(num_key_value_heads=1),  # q/k/v biases

@@ -172,9 +172,11 @@ def check_scale_forms(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def _non_reentrant_checkpoints(model: torch.nn.Module, inside: List[int]) -> Iterator[None]:
     """Within the block, layers that checkpoint (transformers' ``_gradient_checkpointing_func``) do so without
-    re-entry (``torch.autograd.grad`` cannot run a re-entrant checkpoint) and without early stop (the recomputation
-    runs the whole layer, so every module of it is seen again); ``inside[0]`` counts the checkpointed calls under
-    way. The same recomputation, the same memory; put back afterwards."""
+    re-entry (``torch.autograd.grad`` cannot run a re-entrant checkpoint), with torch's early stop as a training
+    step's non-re-entrant checkpoint has it: the backward's recomputation of a layer stops once it has what the
+    backward saved, so the layer's last linear (``down_proj``) is entered but not run again. Each module's input
+    is taken from its forward pre-hook, which fires before that stop (:class:`_NormPass`). ``inside[0]`` counts
+    the checkpointed calls under way. Put back afterwards."""
     swapped = [
         (m, m._gradient_checkpointing_func) for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
     ]
@@ -192,8 +194,7 @@ def _non_reentrant_checkpoints(model: torch.nn.Module, inside: List[int]) -> Ite
     for m, _ in swapped:
         m._gradient_checkpointing_func = checkpoint
     try:
-        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            yield
+        yield
     finally:
         for m, func in swapped:
             m._gradient_checkpointing_func = func
@@ -224,7 +225,8 @@ class _NormPass:
     """The state of one pass of :func:`model_sq_grad_norms`: per module, its input x (or ids) and its output's
     gradient g, each kept only until the other arrives. In a checkpointed layer x is not kept from the forward:
     the backward's recomputation of the layer hands it over again (that is what makes checkpointing bound the pass
-    as it bounds a training step)."""
+    as it bounds a training step), through a forward pre-hook, which fires even for the module at which the
+    recomputation stops early (its input is what the stop waited for)."""
 
     def __init__(self, plan):
         self.plan = plan
@@ -245,14 +247,19 @@ class _NormPass:
         self.projections: dict = {}  # id(tied weight) -> (B, S, H) P of the head part
         self.total: List[torch.Tensor] = []
 
+    def pre_hook(self, module, inputs):
+        """A checkpointed layer recomputed in the backward: its modules' inputs, once more (before the module runs,
+        so also for the one at which an early-stopping recomputation stops)."""
+        if self.forward or module not in self.calls or module in self.x or not inputs:
+            return
+        self.x[module] = inputs[0].detach()
+        self._ready(module)
+
     def hook(self, module, inputs, out):
+        if not self.forward:  # a recomputation: the pre-hook took its input
+            return
         x = inputs[0].detach()
         kind = self.kinds[module]
-        if not self.forward:  # a checkpointed layer recomputed in the backward: its inputs, once more
-            if module in self.calls and module not in self.x:
-                self.x[module] = x
-                self._ready(module)
-            return
         self.calls[module] = self.calls.get(module, 0) + 1
         if self.calls[module] > 1:
             raise ValueError(
@@ -350,8 +357,9 @@ def model_sq_grad_norms(model: torch.nn.Module, score: Callable[[], torch.Tensor
 
     The backward runs to the input embeddings' outputs only (``torch.autograd.grad``), so no ``.grad`` is written
     and no optimizer state is touched: ZeRO 0–3 gather parameters for it through their own module hooks, as for
-    any backward. Gradient checkpointing stays on (made non-re-entrant, which ``autograd.grad`` needs): a
-    checkpointed layer's inputs are not kept from the forward but taken again from the backward's recomputation.
+    any backward. Gradient checkpointing stays on (made non-re-entrant, which ``autograd.grad`` needs, with torch's
+    early stop, as a training step's): a checkpointed layer's inputs are not kept from the forward but taken again
+    from the backward's recomputation, which runs each linear as often as a training step's does.
 
     Memory: what a training micro-batch of the same rows holds under the same checkpointing (docs/opob.md has the
     formula), plus, while one layer's backward runs, its modules' inputs and output gradients and two T × T fp32
@@ -359,6 +367,7 @@ def model_sq_grad_norms(model: torch.nn.Module, score: Callable[[], torch.Tensor
     """
     state = _NormPass(norm_plan(model))
     handles = [m.register_forward_hook(state.hook) for _, m, _ in state.plan]
+    handles += [m.register_forward_pre_hook(state.pre_hook) for _, m, _ in state.plan]
     try:
         with torch.enable_grad(), _non_reentrant_checkpoints(model, state.inside):
             f = score()
