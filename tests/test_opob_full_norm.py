@@ -239,6 +239,24 @@ def test_preflight_refuses_fused_moe_experts_before_anything_starts(tiny_world, 
     assert notices == []
 
 
+def test_lora_with_the_full_norm_is_refused_before_anything_starts_naming_the_head_norm(tiny_world, tmp_path):
+    """--ds.lora.rank with --algo.vcpo_enable (which sets --algo.advantage.opob_norm full): refused while the flags
+    are checked, naming the flag that set the pass and the one that avoids it; with the head's norm it passes."""
+    from openrlhf_ess.config import ConfigError
+    from tests.helpers.preflight_inputs import _args
+
+    with pytest.raises(
+        ConfigError,
+        match=r"opob_norm full \(set by --algo\.vcpo_enable\) with --ds\.lora\.rank 4.*"
+        r"Pass --algo\.advantage\.opob_norm head",
+    ):
+        _args(tiny_world, tmp_path, ["--algo.vcpo_enable", "--ds.lora.rank", "4"])
+    args = _args(
+        tiny_world, tmp_path, ["--algo.vcpo_enable", "--ds.lora.rank", "4", "--algo.advantage.opob_norm", "head"]
+    )
+    assert args.ds.lora.rank == 4 and args.algo.advantage.opob_norm == "head"
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_preflight_takes_every_dense_family_from_its_meta_tree(family, monkeypatch):
     """The meta-device check (module kinds, each norm class's forward against its form) passes every family the

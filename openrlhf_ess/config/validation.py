@@ -332,6 +332,15 @@ def _validate_opob(args: types.SimpleNamespace, notices: List[str]) -> None:
             "--ds.packing_samples, --ds.ring_attn_size > 1 and --ds.tensor_parallel_size > 1 split or pack them. "
             "Drop those flags."
         )
+    lora_rank = getattr(getattr(args.ds, "lora", None), "rank", 0) or 0
+    if algo.advantage.opob_norm == "full" and lora_rank > 0:
+        via = " (set by --algo.vcpo_enable)" if "algo.advantage.opob_norm" in applied else ""
+        raise ConfigError(
+            f"--algo.advantage.opob_norm full{via} with --ds.lora.rank {lora_rank}: the whole-model norm pass takes "
+            "the gradient down to the input embedding's output, which LoRA freezes, and covers the base model's "
+            "modules, not the adapters. Pass --algo.advantage.opob_norm head (the LM head's norm, from the forward "
+            "alone), or drop --ds.lora.rank."
+        )
     if args.reward.overlong_buffer_len is not None or args.reward.stop_properly_penalty_coef is not None:
         raise ConfigError(
             f"{flag} with a length penalty (--reward.overlong_buffer_len / --reward.stop_properly_penalty_coef): "
