@@ -295,6 +295,14 @@ def _validate_opob(args: types.SimpleNamespace, notices: List[str]) -> None:
             f"--algo.advantage.opob_norm {algo.advantage.opob_norm} chooses the gradient norm of the optimal "
             "baseline: add --algo.advantage.baseline opob, or drop the flag."
         )
+    tokens = algo.advantage.opob_pass_tokens
+    if tokens < 0:
+        raise ConfigError(f"--algo.advantage.opob_pass_tokens must be >= 0 (0: the default), got {tokens}.")
+    if tokens and not (resolve.opob_on(args) and algo.advantage.opob_norm == "full"):
+        raise ConfigError(
+            f"--algo.advantage.opob_pass_tokens {tokens} sizes the passes of the whole-model norm: add "
+            "--algo.advantage.opob_norm full (with --algo.advantage.baseline opob), or drop the flag."
+        )
     if not resolve.opob_on(args):
         return
     # the flag the user passed: --algo.vcpo_enable where its recipe turned the baseline on
