@@ -66,20 +66,213 @@ def test_full_norms_under_gradient_checkpointing(reentrant):
     torch.testing.assert_close(got, want, rtol=1e-9, atol=0)
 
 
-def test_full_norms_through_upstreams_actor_one_row_per_pass():
+def _upstream_actor(model, temperature=0.7):
     from openrlhf_ess.runtime import cpu_compat
 
     cpu_compat.apply()
     from openrlhf.models import Actor
 
-    model = tiny_qwen2(vocab=96).double()
-    actor = Actor(model, temperature=0.7)
+    actor = Actor(model, temperature=temperature)
     actor.packing_samples = False  # set by upstream only when it loads the model from a path
+    return actor
+
+
+def _calls_of(module):
+    """The (rows, columns) of each call of ``module``'s forward (a pre-hook; the caller removes it)."""
+    shapes = []
+    handle = module.register_forward_pre_hook(
+        lambda m, args, kwargs: shapes.append(tuple(kwargs.get("input_ids", args[0] if args else None).shape)),
+        with_kwargs=True,
+    )
+    return shapes, handle
+
+
+def test_full_norms_through_upstreams_actor_whatever_the_rows_per_pass():
+    """Through upstream's ``Actor`` in float64: a token budget of one row per pass (12 tokens: three passes, the
+    padded row trimmed to its 9 columns), two rows, or the whole micro-batch in one pass gives the same norms
+    (and autograd's) and the same log-probs, upstream's evaluation-mode no-grad forward's."""
+    model = tiny_qwen2(vocab=96).double()
+    actor = _upstream_actor(model)
     seq, att, am = _batch(96, seed=2)
     want = _autograd_sq_norms(model, seq, att, am, 0.7)
-    for rows in (1, 3):
-        got = trainer_opob.full_norms(actor, seq, am, att, rows=rows)
-        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)  # returned in fp32
+    actor.eval()
+    with torch.no_grad():
+        upstream_log_probs = actor(seq, am, att)
+    results = {}
+    for budget, passes in ((12, [(1, 12), (1, 9), (1, 12)]), (24, [(2, 12), (1, 12)]), (None, [(3, 12)])):
+        shapes, handle = _calls_of(model)
+        results[budget] = trainer_opob.full_norms(actor, seq, am, att, max_tokens=budget)
+        handle.remove()
+        assert shapes == passes  # the HF model's forwards: one per pass, no other
+        torch.testing.assert_close(results[budget][1].double(), want, rtol=1e-6, atol=0)  # returned in fp32
+        torch.testing.assert_close(results[budget][0], upstream_log_probs, rtol=1e-12, atol=1e-12)
+    assert torch.equal(results[12][1], results[None][1]) and torch.equal(results[24][1], results[None][1])
+    assert actor.training is False  # its mode put back
+
+
+def test_the_pass_trims_columns_that_are_padding_in_every_row():
+    """Three left-padding columns shared by every row and two response columns every row ended before: the pass
+    runs on the 7 columns left (a shorter T), and its norms and log-probs are those of the untrimmed batch (the
+    model scored whole by the same pass, float64), the trimmed action columns 0 as upstream's masked ones."""
+    model = tiny_qwen2(vocab=96).double()
+    actor = _upstream_actor(model)
+    seq, att, am = _batch(96, seed=6)  # rows of 12 columns, 5 actions; row 1 left-padded by 3
+    att[:, :3] = 0
+    seq[:, :3] = 0
+    am[:, -2:] = False
+    att[:, -2:] = 0
+    assert trainer_opob.kept_columns(att, am) == (3, 10)
+    got_lp, got = None, None
+    shapes, handle = _calls_of(model)
+    got_lp, got = trainer_opob.full_norms(actor, seq, am, att)
+    handle.remove()
+    assert shapes == [(3, 7)]
+    whole = []
+
+    def score():  # the untrimmed batch through the same pass
+        lp = actor(seq, am, att)
+        whole.append(lp.detach())
+        return (lp * am.to(lp.dtype)).sum(-1)
+
+    actor.train()
+    want = trainer_opob.model_sq_grad_norms(model, score)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_lp, whole[0], rtol=1e-12, atol=1e-12)
+    assert got_lp[:, -2:].abs().sum() == 0 and got_lp[:, :3].abs().min() > 0
+
+
+def _policy_actor(model, norm: str, pass_tokens: int = 0):
+    """The real ``PolicyModelActorImpl`` (not a Ray actor) around upstream's ``Actor`` of ``model``, with the flags
+    the make-experience forward reads."""
+    import types
+
+    from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActorImpl
+
+    impl = PolicyModelActorImpl.__new__(PolicyModelActorImpl)
+    impl.actor = _upstream_actor(model)
+    advantage = types.SimpleNamespace(baseline="opob", opob_norm=norm, opob_pass_tokens=pass_tokens)
+    args = types.SimpleNamespace(
+        algo=types.SimpleNamespace(advantage=advantage),
+        train=types.SimpleNamespace(micro_batch_size=1),
+        data=types.SimpleNamespace(max_len=12),
+    )
+    impl.strategy = types.SimpleNamespace(args=args, ring_attn_group=None, is_rank_0=lambda: False)
+    impl.trainer = types.SimpleNamespace(routing_replay=False, stop_ids=None)
+    return impl
+
+
+@pytest.mark.parametrize("pass_tokens, passes", [(0, 3), (36, 1)])
+def test_the_make_experience_forward_runs_no_forward_beside_the_pass(pass_tokens, passes):
+    """The actor's make-experience forward (``PolicyModelActorImpl.forward``) with the whole-model norm, fp32:
+    the HF model runs once per pass and nowhere else (one forward fewer per micro-batch than upstream's forward
+    followed by the pass), and the log-probs it returns equal upstream's own forward's (evaluation mode, no
+    gradient) to 1e-6, in fp32; the head's norm runs upstream's one forward. Budgets: the default, one training
+    micro-batch (1 row) of --data.max_len (12), and 36 tokens (the 3 rows)."""
+    from openrlhf_ess.trainer.ray.ppo_actor import _UpstreamPolicyModelActor
+
+    model = tiny_qwen2(vocab=96)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seq, att, am = _batch(96, seed=8)
+    impl = _policy_actor(model, "full", pass_tokens)
+    want = _UpstreamPolicyModelActor.forward(impl, seq, am, att)  # upstream's make-experience forward
+    shapes, handle = _calls_of(model)
+    got = impl.forward(seq, am, att)
+    handle.remove()
+    assert len(shapes) == passes
+    assert got.shape == (3, am.shape[1] + 1) and got.device.type == "cpu"
+    torch.testing.assert_close(got[:, :-1], want, rtol=1e-6, atol=1e-6)
+    norms = trainer_opob.full_norms(_upstream_actor(model), seq, am, att)[1]
+    torch.testing.assert_close(got[:, -1], norms, rtol=1e-6, atol=0)
+    head = _policy_actor(model, "head")
+    shapes, handle = _calls_of(model)
+    head.forward(seq, am, att)
+    handle.remove()
+    assert len(shapes) == 1
+
+
+def test_kept_columns_by_hand():
+    att = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0, 0]])
+    am = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)  # the last 3 columns are the actions
+    assert trainer_opob.kept_columns(att, am) == (1, 6)
+    # no response token anywhere: the last prompt column and the first action column stay
+    assert trainer_opob.kept_columns(torch.tensor([[1, 1, 0, 0]]), torch.zeros(1, 2, dtype=torch.bool)) == (0, 3)
+    assert [trainer_opob.rows_per_pass(100, 8, b) for b in (0, 99, 100, 350, 10_000)] == [1, 1, 1, 3, 8]
+
+
+def test_dropout_is_off_in_the_pass_and_back_on_after():
+    """A model with dropout (p = 0.5 before the LM head): the pass's log-probs are the evaluation-mode ones, the
+    same on every call, and the dropout module trains again afterwards."""
+    model = tiny_qwen2(vocab=96).double()
+    drop = torch.nn.Dropout(0.5)
+    model.model.norm = torch.nn.Sequential(model.model.norm, drop)  # its output feeds the LM head
+    seq, att, am = _batch(96, seed=7)
+    model.train()
+    torch.manual_seed(0)
+    first = trainer_opob.full_norms(_upstream_actor(model), seq, am, att)
+    second = trainer_opob.full_norms(_upstream_actor(model), seq, am, att)
+    assert drop.training
+    actor = _upstream_actor(model)
+    actor.eval()
+    with torch.no_grad():
+        want = actor(seq, am, att)
+    torch.testing.assert_close(first[0], want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(first[1], second[1])
+
+
+def _count_linear_runs(model):
+    """Per linear module, how many of its forwards ran to the end (an instance-level wrapper, not a hook: the
+    pass's own hooks are not what is counted)."""
+    import collections
+
+    counts = collections.Counter()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+
+            def run(*args, _forward=module.forward, _name=name, **kwargs):
+                out = _forward(*args, **kwargs)
+                counts[_name] += 1
+                return out
+
+            module.forward = run
+    return counts
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_pass_runs_each_linear_as_often_as_a_training_step(reentrant):
+    """Gradient checkpointing on: the pass's forward and recomputation run each linear exactly as often as a
+    training step's forward and backward under upstream's default (non-re-entrant, early stop): twice inside a
+    checkpointed layer, except down_proj, at which the recomputation stops (once), and the LM head once. A
+    re-entrant step recomputes down_proj too; the pass never does."""
+    model = tiny_qwen2(vocab=96).double()
+    seq, att, am = _batch(96, seed=5)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    counts = _count_linear_runs(model)
+    _log_prob_sums(model, seq, att, am, 1.0).sum().backward()
+    step = dict(counts)
+    counts.clear()
+    model.zero_grad(set_to_none=True)
+    trainer_opob.model_sq_grad_norms(model, lambda: _log_prob_sums(model, seq, att, am, 1.0))
+    passed = dict(counts)
+    # written from the architecture: 2 layers x (q, k, v, o, gate, up, down) + the LM head
+    body = {
+        f"model.layers.{i}.{m}": 2
+        for i in (0, 1)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        )
+    }
+    want = {**body, "model.layers.0.mlp.down_proj": 1, "model.layers.1.mlp.down_proj": 1, "lm_head": 1}
+    assert passed == want
+    if reentrant:
+        assert step == {**want, "model.layers.0.mlp.down_proj": 2, "model.layers.1.mlp.down_proj": 2}
+    else:
+        assert step == passed
 
 
 # Tiny random models of each family the docs name: 2 layers, head_dim 32, a small vocabulary, built in memory.
@@ -183,6 +376,24 @@ def test_preflight_refuses_fused_moe_experts_before_anything_starts(tiny_world, 
     assert notices == []
 
 
+def test_lora_with_the_full_norm_is_refused_before_anything_starts_naming_the_head_norm(tiny_world, tmp_path):
+    """--ds.lora.rank with --algo.vcpo_enable (which sets --algo.advantage.opob_norm full): refused while the flags
+    are checked, naming the flag that set the pass and the one that avoids it; with the head's norm it passes."""
+    from openrlhf_ess.config import ConfigError
+    from tests.helpers.preflight_inputs import _args
+
+    with pytest.raises(
+        ConfigError,
+        match=r"opob_norm full \(set by --algo\.vcpo_enable\) with --ds\.lora\.rank 4.*"
+        r"Pass --algo\.advantage\.opob_norm head",
+    ):
+        _args(tiny_world, tmp_path, ["--algo.vcpo_enable", "--ds.lora.rank", "4"])
+    args = _args(
+        tiny_world, tmp_path, ["--algo.vcpo_enable", "--ds.lora.rank", "4", "--algo.advantage.opob_norm", "head"]
+    )
+    assert args.ds.lora.rank == 4 and args.algo.advantage.opob_norm == "head"
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_preflight_takes_every_dense_family_from_its_meta_tree(family, monkeypatch):
     """The meta-device check (module kinds, each norm class's forward against its form) passes every family the
@@ -270,8 +481,11 @@ def test_the_memory_self_check_counts_the_pass_and_names_the_flags(tiny_world, t
     args.data.max_len, args.train.micro_batch_size = 4096, 1
     needs = selfcheck.memory_needs(args, 15 << 30, 1 << 30, 8, hidden=3584)
     # max(8 · 4096², 2 · 64 MiB) = 128 MiB; 16 · 1 · 4096 · 3584 bytes = 224 MiB: 352 MiB at Qwen2.5-7B's width
-    key = "--algo.advantage.opob_norm full (head: no pass) / --train.micro_batch_size"
+    key = "--algo.advantage.opob_norm full (head: no pass) / --algo.advantage.opob_pass_tokens"
     assert needs[key] == 352 << 20
+    args.algo.advantage.opob_pass_tokens = 3 * 4096  # three rows of the longest length: 3 · 224 MiB + 128 MiB
+    assert selfcheck.memory_needs(args, 15 << 30, 1 << 30, 8, hidden=3584)[key] == 800 << 20
+    args.algo.advantage.opob_pass_tokens = 0
     report = {"model_bytes": 15 << 30, "largest_param_bytes": 1 << 30, "world": 8, "hidden": 3584}
     with pytest.raises(selfcheck.SelfCheckError, match=r"300 MiB free .* need 3\d\d MiB more .*opob_norm full"):
         selfcheck.check_memory([dict(report, free=300 << 20)], args)
@@ -346,6 +560,9 @@ def test_full_norms_through_a_deepspeed_actor_leave_its_step_unchanged(tiny_worl
     seq, am, att = batch()
     want = _autograd_sq_norms(model, seq, att, am, 1.0)
     torch.testing.assert_close(torch.tensor(with_norms["norms"], dtype=torch.float64), want, rtol=1e-4, atol=0)
+    # the pass's log-probs are those of upstream's no-grad forward through the DeepSpeed engine (fp32)
+    got_lp, upstream_lp = (torch.tensor(with_norms[k]) for k in ("pass_log_probs", "upstream_log_probs"))
+    torch.testing.assert_close(got_lp, upstream_lp, rtol=1e-6, atol=1e-6)
     without = run("--no_norms")
     assert without["loss"] == with_norms["loss"] and without["after"] == with_norms["after"]
 
@@ -353,8 +570,9 @@ def test_full_norms_through_a_deepspeed_actor_leave_its_step_unchanged(tiny_worl
 @pytest.mark.engine
 def test_full_norms_on_two_zero3_ranks_with_micro_batches_of_unequal_size(tiny_world, tmp_path):
     """Two ZeRO-3 ranks (gloo, torchrun): rank 0 holds rows 0-1, rank 1 row 2, as a prompt group split across
-    ranks gives. One row per pass, two passes on each rank whatever its rows (rank 1's second is a filler, so
-    ZeRO-3's gathers stay matched: no hang), and each row's norm equals autograd's on the plain model."""
+    ranks gives. A budget of one row per pass: rank 0 needs two passes, rank 1 one, and the ranks agree on two
+    (rank 1's second is a filler, so ZeRO-3's gathers stay matched: no hang); each row's norm equals autograd's on
+    the plain model, and each rank's log-probs those of upstream's no-grad forward."""
     import json
     import os
     import subprocess
@@ -373,7 +591,10 @@ def test_full_norms_on_two_zero3_ranks_with_micro_batches_of_unequal_size(tiny_w
         cmd + [tiny_world["model"], tiny_world["prompts"], out], cwd=repo, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    got = [v for r in (0, 1) for v in json.loads(open(f"{out}.rank{r}.json").read())["norms"]]
+    results = [json.loads(open(f"{out}.rank{r}.json").read()) for r in (0, 1)]
+    got = [v for r in results for v in r["norms"]]
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["pass_log_probs"]), torch.tensor(r["upstream_log_probs"]))
     model = AutoModelForCausalLM.from_pretrained(tiny_world["model"], dtype=torch.float64)
     seq, am, att = batch()
     want = _autograd_sq_norms(model, seq, att, am, 1.0)

@@ -235,11 +235,11 @@ def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int, h
             needs["--algo.prox_score_memory_mb"] = int(budget) * MiB
     advantage = getattr(algo, "advantage", None)  # (a namespace of the prox flags alone has none)
     if advantage is not None and advantage.baseline == "opob" and advantage.opob_norm == "full":
-        from openrlhf_ess.trainer.opob import pass_extra_bytes
+        from openrlhf_ess.trainer.opob import pass_extra_bytes, pass_tokens, rows_per_pass
 
-        rows = args.train.micro_batch_size
-        needs["--algo.advantage.opob_norm full (head: no pass) / --train.micro_batch_size"] = pass_extra_bytes(
-            args.data.max_len, rows, hidden
+        rows = rows_per_pass(args.data.max_len, 1 << 30, pass_tokens(args))  # rows of the longest length a pass takes
+        needs["--algo.advantage.opob_norm full (head: no pass) / --algo.advantage.opob_pass_tokens"] = (
+            pass_extra_bytes(args.data.max_len, rows, hidden)
         )
     return needs
 

@@ -45,6 +45,7 @@ DEFAULTS = {
     "algo.ess_lr_rule": "sqrt",
     "algo.advantage.opob_weight": "tis",
     "algo.advantage.opob_norm": "head",
+    "algo.advantage.opob_pass_tokens": 0,
     "algo.tis_level": "token",
     "algo.prox_mode": "recompute",
     "algo.prox_dedicated_num_gpus": 1.0,
@@ -364,8 +365,16 @@ def add_opob_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULTS["algo.advantage.opob_norm"],
         choices=list(OPOB_NORMS),
         help="|g_i| in b*: head (default) = the LM head's, exact, from the make-experience forward (no backward); "
-        "full = every parameter's, exact, from one more forward and backward (VCPO's), --train.micro_batch_size "
-        "rows at a time (a training micro-batch's memory); dense models (MoE refused in pre-flight). docs/opob.md.",
+        "full = every parameter's, exact (VCPO's): the make-experience forward runs with autograd and one backward "
+        "that writes no gradient; dense models (MoE, LoRA refused). docs/opob.md.",
+    )
+    group.add_argument(
+        "--algo.advantage.opob_pass_tokens",
+        type=int,
+        default=DEFAULTS["algo.advantage.opob_pass_tokens"],
+        help="full: the most tokens (rows x padded length) one norm pass takes from a rollout micro-batch (at least "
+        "one row); 0 (default) = --train.micro_batch_size x --data.max_len, what a training micro-batch may hold. "
+        "Larger: fewer passes (ZeRO-3 gathers each layer once per pass), more activation memory. docs/opob.md.",
     )
     group.add_argument(
         "--algo.vcpo_enable",

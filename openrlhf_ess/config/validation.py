@@ -296,6 +296,14 @@ def _validate_opob(args: types.SimpleNamespace, notices: List[str]) -> None:
             f"--algo.advantage.opob_norm {algo.advantage.opob_norm} chooses the gradient norm of the optimal "
             "baseline: add --algo.advantage.baseline opob, or drop the flag."
         )
+    tokens = algo.advantage.opob_pass_tokens
+    if tokens < 0:
+        raise ConfigError(f"--algo.advantage.opob_pass_tokens must be >= 0 (0: the default), got {tokens}.")
+    if tokens and not (resolve.opob_on(args) and algo.advantage.opob_norm == "full"):
+        raise ConfigError(
+            f"--algo.advantage.opob_pass_tokens {tokens} sizes the passes of the whole-model norm: add "
+            "--algo.advantage.opob_norm full (with --algo.advantage.baseline opob), or drop the flag."
+        )
     if not resolve.opob_on(args):
         return
     # the flag the user passed: --algo.vcpo_enable where its recipe turned the baseline on
@@ -332,6 +340,15 @@ def _validate_opob(args: types.SimpleNamespace, notices: List[str]) -> None:
             f"{flag}: the optimal baseline reads each sample's LM-head inputs and logits whole; "
             "--ds.packing_samples, --ds.ring_attn_size > 1 and --ds.tensor_parallel_size > 1 split or pack them. "
             "Drop those flags."
+        )
+    lora_rank = getattr(getattr(args.ds, "lora", None), "rank", 0) or 0
+    if algo.advantage.opob_norm == "full" and lora_rank > 0:
+        via = " (set by --algo.vcpo_enable)" if "algo.advantage.opob_norm" in applied else ""
+        raise ConfigError(
+            f"--algo.advantage.opob_norm full{via} with --ds.lora.rank {lora_rank}: the whole-model norm pass takes "
+            "the gradient down to the input embedding's output, which LoRA freezes, and covers the base model's "
+            "modules, not the adapters. Pass --algo.advantage.opob_norm head (the LM head's norm, from the forward "
+            "alone), or drop --ds.lora.rank."
         )
     if args.reward.overlong_buffer_len is not None or args.reward.stop_properly_penalty_coef is not None:
         raise ConfigError(

@@ -6,10 +6,12 @@ Two places, one concern:
   ``head`` (:func:`norms_captured`): during the make-experience forward, a forward hook on the LM head computes
   ‖∇_W log π_θ(τ_i)‖² from the head's own inputs and outputs (ghost-norm identity), before upstream's
   ``Actor.forward`` divides the logits by the temperature in place; ``full`` (:func:`full_norms`): ‖∇_θ log
-  π_θ(τ_i)‖² over every parameter, from one more forward with autograd and one backward that writes no parameter
-  gradient (:func:`model_sq_grad_norms`). The norms ride back with the log-probs as one extra last column
-  (:func:`with_norms` / :func:`split_norms`), so upstream's result plumbing is untouched and no other call is
-  made. In bypass mode that forward runs for the norms alone.
+  π_θ(τ_i)‖² over every parameter, from the make-experience forward run with autograd (its log-probs are the
+  ones upstream's no-grad forward would return, which then does not run) and one backward that writes no
+  parameter gradient (:func:`model_sq_grad_norms`), as many rows per pass as ``--algo.advantage.opob_pass_tokens``
+  allows. The norms ride back with the log-probs as one extra last column (:func:`with_norms` /
+  :func:`split_norms`), so upstream's result plumbing is untouched and no other call is made. In bypass mode that
+  forward runs for the norms alone.
 - controller (:func:`replace_baseline`): the group baseline of upstream's estimator is replaced by
   b* = Σ w²‖g‖²R / Σ w²‖g‖² over each prompt's n samples (the set VCPO defines it on), w_i the IS weight the loss
   applies: min(exp(mean_t log π_prox/μ), C) with ``--algo.tis_cap C``, 1 without one (or without μ).
@@ -24,7 +26,7 @@ import contextlib
 import functools
 import itertools
 import math
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -172,9 +174,11 @@ def check_scale_forms(model: torch.nn.Module) -> None:
 @contextlib.contextmanager
 def _non_reentrant_checkpoints(model: torch.nn.Module, inside: List[int]) -> Iterator[None]:
     """Within the block, layers that checkpoint (transformers' ``_gradient_checkpointing_func``) do so without
-    re-entry (``torch.autograd.grad`` cannot run a re-entrant checkpoint) and without early stop (the recomputation
-    runs the whole layer, so every module of it is seen again); ``inside[0]`` counts the checkpointed calls under
-    way. The same recomputation, the same memory; put back afterwards."""
+    re-entry (``torch.autograd.grad`` cannot run a re-entrant checkpoint), with torch's early stop as a training
+    step's non-re-entrant checkpoint has it: the backward's recomputation of a layer stops once it has what the
+    backward saved, so the layer's last linear (``down_proj``) is entered but not run again. Each module's input
+    is taken from its forward pre-hook, which fires before that stop (:class:`_NormPass`). ``inside[0]`` counts
+    the checkpointed calls under way. Put back afterwards."""
     swapped = [
         (m, m._gradient_checkpointing_func) for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")
     ]
@@ -192,11 +196,24 @@ def _non_reentrant_checkpoints(model: torch.nn.Module, inside: List[int]) -> Ite
     for m, _ in swapped:
         m._gradient_checkpointing_func = checkpoint
     try:
-        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            yield
+        yield
     finally:
         for m, func in swapped:
             m._gradient_checkpointing_func = func
+
+
+@contextlib.contextmanager
+def _dropout_off(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, every dropout module of ``model`` computes as in evaluation (the pass runs in training
+    mode for its gradient checkpointing, and its log-probs stand for upstream's evaluation-mode forward)."""
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training]
+    for m in dropouts:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in dropouts:
+            m.training = True
 
 
 def _graph_uses(root: torch.Tensor, params: dict) -> tuple:
@@ -224,7 +241,8 @@ class _NormPass:
     """The state of one pass of :func:`model_sq_grad_norms`: per module, its input x (or ids) and its output's
     gradient g, each kept only until the other arrives. In a checkpointed layer x is not kept from the forward:
     the backward's recomputation of the layer hands it over again (that is what makes checkpointing bound the pass
-    as it bounds a training step)."""
+    as it bounds a training step), through a forward pre-hook, which fires even for the module at which the
+    recomputation stops early (its input is what the stop waited for)."""
 
     def __init__(self, plan):
         self.plan = plan
@@ -245,14 +263,19 @@ class _NormPass:
         self.projections: dict = {}  # id(tied weight) -> (B, S, H) P of the head part
         self.total: List[torch.Tensor] = []
 
+    def pre_hook(self, module, inputs):
+        """A checkpointed layer recomputed in the backward: its modules' inputs, once more (before the module runs,
+        so also for the one at which an early-stopping recomputation stops)."""
+        if self.forward or module not in self.calls or module in self.x or not inputs:
+            return
+        self.x[module] = inputs[0].detach()
+        self._ready(module)
+
     def hook(self, module, inputs, out):
+        if not self.forward:  # a recomputation: the pre-hook took its input
+            return
         x = inputs[0].detach()
         kind = self.kinds[module]
-        if not self.forward:  # a checkpointed layer recomputed in the backward: its inputs, once more
-            if module in self.calls and module not in self.x:
-                self.x[module] = x
-                self._ready(module)
-            return
         self.calls[module] = self.calls.get(module, 0) + 1
         if self.calls[module] > 1:
             raise ValueError(
@@ -350,8 +373,9 @@ def model_sq_grad_norms(model: torch.nn.Module, score: Callable[[], torch.Tensor
 
     The backward runs to the input embeddings' outputs only (``torch.autograd.grad``), so no ``.grad`` is written
     and no optimizer state is touched: ZeRO 0–3 gather parameters for it through their own module hooks, as for
-    any backward. Gradient checkpointing stays on (made non-re-entrant, which ``autograd.grad`` needs): a
-    checkpointed layer's inputs are not kept from the forward but taken again from the backward's recomputation.
+    any backward. Gradient checkpointing stays on (made non-re-entrant, which ``autograd.grad`` needs, with torch's
+    early stop, as a training step's): a checkpointed layer's inputs are not kept from the forward but taken again
+    from the backward's recomputation, which runs each linear as often as a training step's does.
 
     Memory: what a training micro-batch of the same rows holds under the same checkpointing (docs/opob.md has the
     formula), plus, while one layer's backward runs, its modules' inputs and output gradients and two T × T fp32
@@ -359,6 +383,7 @@ def model_sq_grad_norms(model: torch.nn.Module, score: Callable[[], torch.Tensor
     """
     state = _NormPass(norm_plan(model))
     handles = [m.register_forward_hook(state.hook) for _, m, _ in state.plan]
+    handles += [m.register_forward_pre_hook(state.pre_hook) for _, m, _ in state.plan]
     try:
         with torch.enable_grad(), _non_reentrant_checkpoints(model, state.inside):
             f = score()
@@ -384,42 +409,104 @@ def pass_extra_bytes(tokens: int, rows: int, hidden: int) -> int:
     return max(8 * tokens * tokens, 2 * BLOCK_BYTES) + 4 * 4 * rows * tokens * hidden
 
 
-def full_norms(
-    actor, sequences, action_mask, attention_mask, rows: Optional[int] = None, passes: Optional[int] = None
-) -> torch.Tensor:
-    """(B,) ‖∇_θ log π_θ(τ_i)‖² over all of the actor's parameters (``--algo.advantage.opob_norm full``), at the
-    actor's current weights, ``rows`` trajectories per pass (default: the whole micro-batch in one pass). The
-    actor's trainer passes ``--train.micro_batch_size``: a pass then holds what a training micro-batch holds under
-    the same gradient checkpointing, whatever ``--rollout.micro_batch_size`` (docs/opob.md, memory).
+def pass_tokens(args) -> int:
+    """The most tokens (rows × padded length) one norm pass takes: ``--algo.advantage.opob_pass_tokens``, or by
+    default (0) ``--train.micro_batch_size`` × ``--data.max_len``, the most a training micro-batch holds."""
+    budget = getattr(args.algo.advantage, "opob_pass_tokens", 0)
+    return budget if budget > 0 else args.train.micro_batch_size * args.data.max_len
 
-    ``passes``: how many passes every rank makes for this call, at least ceil(B / rows); a rank with fewer rows
-    than that (the last micro-batch of a batch) repeats its first row and discards the result, so ZeRO-3's
-    parameter gathers stay matched across ranks. ``actor``: upstream's ``Actor`` (its forward gives the action
-    log-probs at its temperature), in training mode as for a training step (its gradient checkpointing on)."""
+
+def kept_columns(attention_mask: torch.Tensor, action_mask: torch.Tensor) -> Tuple[int, int]:
+    """[lo, hi): the columns of a (B, S) batch that some row uses: the leading columns that are padding in every row
+    (left-padded prompts) and the trailing ones (responses ended early) fall outside. Trimming them changes no
+    token's log-prob: upstream's ``Actor`` takes positions from the attention mask's running sum, and padding is
+    masked out of attention. At least the last prompt column and the first action column are kept."""
+    width, n_actions = attention_mask.shape[1], action_mask.shape[1]
+    used = attention_mask.bool().any(0)
+    used[width - n_actions :] |= action_mask.bool().any(0)
+    cols = used.nonzero()
+    first_action = width - n_actions
+    if cols.numel() == 0:
+        return max(first_action - 1, 0), width
+    lo, hi = int(cols[0]), int(cols[-1]) + 1
+    return min(lo, max(first_action - 1, 0)), max(hi, first_action + 1)
+
+
+def rows_per_pass(tokens: int, rows: int, max_tokens: int) -> int:
+    """How many rows of ``tokens`` columns a pass of at most ``max_tokens`` tokens takes, between 1 and ``rows``."""
+    return max(1, min(rows, max_tokens // max(tokens, 1)))
+
+
+def passes_on_every_rank(model: torch.nn.Module) -> Callable[[int], int]:
+    """The number of passes a rank makes, from the number it needs: under ZeRO-3 the most any rank needs (each
+    pass gathers every layer's parameters on every rank, so the ranks' passes must match), else its own."""
+    from openrlhf_ess import distributed
+    from openrlhf_ess.trainer import prox
+
+    if not prox.is_partitioned(model):
+        return lambda passes: passes
+    return lambda passes: int(distributed.all_reduce_max([passes])[0])
+
+
+def full_norms(
+    actor,
+    sequences,
+    action_mask,
+    attention_mask,
+    max_tokens: Optional[int] = None,
+    agree: Optional[Callable[[int], int]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """θ's action log-probs (B, A) and (B,) ‖∇_θ log π_θ(τ_i)‖² over all of the actor's parameters
+    (``--algo.advantage.opob_norm full``), at the actor's current weights, from the pass's own forward: the
+    log-probs are what upstream's no-grad forward returns (``Actor.forward``, evaluation-mode dropout), so that
+    forward need not run as well.
+
+    Rows per pass: as many as ``max_tokens`` allows (rows × the micro-batch's length once the columns that are
+    padding in every row are trimmed; at least one row; default: the whole micro-batch), so each layer's
+    parameters are gathered once per pass and the pass holds what a training micro-batch of as many tokens
+    holds (docs/opob.md, memory). Each pass's rows are trimmed again; the log-probs of trimmed action columns
+    are 0, as upstream's masked ones are.
+
+    ``agree``: the passes every rank makes for this call from the number this rank needs
+    (:func:`passes_on_every_rank`); a rank with fewer rows repeats its first row and discards the result, so
+    ZeRO-3's parameter gathers stay matched across ranks. ``actor``: upstream's ``Actor`` (its forward gives the
+    action log-probs at its temperature), run in training mode as for a training step (its gradient checkpointing
+    on) with its dropout modules off."""
     from openrlhf_ess import upstream
     from openrlhf_ess.trainer import prox
 
     model = prox.causal_lm(actor.model)
+    n, width = sequences.shape
+    n_actions = action_mask.shape[1]
+    lo, hi = kept_columns(attention_mask, action_mask)
+    rows = n if max_tokens is None else rows_per_pass(hi - lo, n, max_tokens)
+    passes = -(-n // rows)
+    passes = max(passes, agree(passes) if agree is not None else passes)
+    log_probs, norms = [], []
     was_training = actor.training
     actor.train()
-    n = sequences.shape[0]
-    rows = min(rows or n, n)
-    passes = max(passes or 0, -(-n // rows))
-    out = []
-    for k in range(passes):
-        part = slice(k * rows, min((k + 1) * rows, n)) if k * rows < n else slice(0, 1)  # past the rows: a filler
-        mask = action_mask[part]
+    try:
+        with _dropout_off(model):
+            for k in range(passes):
+                part = slice(k * rows, min((k + 1) * rows, n)) if k * rows < n else slice(0, 1)  # past them: a filler
+                lo, hi = kept_columns(attention_mask[part], action_mask[part])
+                kept = hi - (width - n_actions)  # action columns left
+                seq, att, mask = sequences[part, lo:hi], attention_mask[part, lo:hi], action_mask[part, :kept]
+                got: List[torch.Tensor] = []
 
-        def score(part=part, mask=mask):
-            log_probs = actor(sequences[part], mask, attention_mask[part])
-            return (log_probs * mask.to(log_probs.dtype)).sum(-1)
+                def score(seq=seq, att=att, mask=mask, got=got):
+                    lp = actor(seq, mask, att)
+                    got.append(lp.detach())
+                    return (lp * mask.to(lp.dtype)).sum(-1)
 
-        with upstream.actor_past_its_engine(actor):
-            norms = model_sq_grad_norms(model, score)
-        if k * rows < n:
-            out.append(norms)
-    actor.train(was_training)
-    return torch.cat(out).float().cpu()
+                with upstream.actor_past_its_engine(actor):
+                    sq = model_sq_grad_norms(model, score)
+                if k * rows < n:
+                    log_probs.append(torch.nn.functional.pad(got[0], (0, n_actions - kept)))
+                    norms.append(sq)
+    finally:
+        actor.train(was_training)
+    return torch.cat(log_probs), torch.cat(norms).float().cpu()
 
 
 def with_norms(log_probs: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:

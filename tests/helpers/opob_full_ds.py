@@ -41,6 +41,8 @@ def main() -> None:
     ranks = "RANK" in os.environ  # under torchrun: its rank, world size and rendezvous
     if not ranks:
         single_process_env()
+    import torch
+
     from openrlhf_ess.trainer import opob
 
     strategy, model, optim, scheduler = build_actor(
@@ -59,16 +61,28 @@ def main() -> None:
         rows = slice(0, 2) if rank == 0 else slice(2, 3)
         seq, action_mask, attention_mask = seq[rows], action_mask[rows], attention_mask[rows]
         out = f"{a.out}.rank{rank}.json"
-    # two ranks: one row per pass (a training micro-batch of 1), two passes each (a rollout micro-batch of 2), so
-    # rank 1 makes a filler pass after its one row
-    chunks = dict(rows=1, passes=2) if ranks else {}
-    norms = None if a.no_norms else opob.full_norms(model, seq, action_mask, attention_mask, **chunks).tolist()
+    # two ranks: one row of 14 tokens per pass, so rank 0 needs two passes and rank 1 one; the ranks agree on two
+    # (ZeRO-3), and rank 1 makes a filler pass after its one row
+    from openrlhf_ess.trainer import prox
+
+    chunks = (
+        dict(max_tokens=seq.shape[1], agree=opob.passes_on_every_rank(prox.causal_lm(model.model))) if ranks else {}
+    )
+    norms = pass_log_probs = upstream_log_probs = None
+    if not a.no_norms:
+        pass_log_probs, norms = opob.full_norms(model, seq, action_mask, attention_mask, **chunks)
+        norms, pass_log_probs = norms.tolist(), pass_log_probs.tolist()
+        model.eval()  # upstream's make-experience forward: the engine, evaluation mode, no gradient
+        with torch.no_grad():
+            upstream_log_probs = model(seq, action_mask, attention_mask=attention_mask).tolist()
+        model.train()
     log_probs = model(seq, action_mask, attention_mask=attention_mask)
     loss = -(log_probs * action_mask).sum() / action_mask.sum()
     strategy.backward(loss, model, optim)
     strategy.optimizer_step(optim, model, scheduler, name="actor")
     with open(out, "w") as f:
-        json.dump({"norms": norms, "loss": loss.item(), "after": param_checksum(model, strategy)}, f)
+        result = {"norms": norms, "loss": loss.item(), "after": param_checksum(model, strategy)}
+        json.dump(dict(result, pass_log_probs=pass_log_probs, upstream_log_probs=upstream_log_probs), f)
 
 
 if __name__ == "__main__":

@@ -366,12 +366,6 @@ def _check_opob_norm(args: types.SimpleNamespace, notices: List[str]) -> None:
     folder = _model_folder(path)
     if folder is None:
         return
-    if flag_value(args, "ds.lora.rank", 0):  # only the adapters train: the tree's frozen modules do not matter
-        notices.append(
-            f"--algo.advantage.opob_norm full with --ds.lora.rank: {path}'s modules are checked when the actor first "
-            "scores a batch, not now."
-        )
-        return
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

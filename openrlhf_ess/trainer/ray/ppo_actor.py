@@ -345,14 +345,15 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
         if rollout_routes is None and self.trainer.routing_replay:
             raise routing_replay.missing_routes_error("an old-log-prob forward")
         scoring = (sequences, attention_mask, rollout_kept_counts, rollout_routes)
-        with self._scoring(*scoring), self._opob_norms(sequences, action_mask) as norms:
-            current = super().forward(sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list)
-            if self._opob_full():  # one forward with autograd and one backward, no parameter gradient (opob.py)
-                device, args = torch.cuda.current_device(), self.strategy.args
-                rows = args.train.micro_batch_size  # a pass holds what a training micro-batch holds (opob.md)
-                passes = -(-args.rollout.micro_batch_size // rows)  # the same count on every rank (ZeRO-3)
-                batch = (t.to(device) for t in (sequences, action_mask, attention_mask))
-                norms = [opob.full_norms(self.actor, *batch, rows=rows, passes=passes)]
+        if self._opob_full():  # θ's log-probs and norms from one pass: upstream's no-grad forward does not run
+            with self._scoring(*scoring):
+                current, full = self._opob_full_pass(sequences, action_mask, attention_mask)
+            norms = [full]
+        else:
+            with self._scoring(*scoring), self._opob_norms(sequences, action_mask) as norms:
+                current = super().forward(
+                    sequences, action_mask, attention_mask, packed_seq_lens, mm_train_inputs_list
+                )
         if rollout_versions is not None:
 
             def forward_again():  # self-contained: execute_batch runs it after this call, grouped by version
@@ -389,9 +390,23 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
     def _opob_full(self) -> bool:
         return config.opob_on(self.strategy.args) and self.strategy.args.algo.advantage.opob_norm == "full"
 
+    def _opob_full_pass(self, sequences, action_mask, attention_mask):
+        """--algo.advantage.opob_norm full: θ's action log-probs (on the host, as upstream's forward returns them) and
+        the whole model's per-sample norms, from one forward with autograd and one backward that writes no
+        parameter gradient per pass (``trainer/opob.py::full_norms``), as many rows per pass as
+        --algo.advantage.opob_pass_tokens allows; under ZeRO-3 every rank makes as many passes as the rank that
+        needs most."""
+        device = torch.cuda.current_device()
+        batch = [t.to(device) for t in (sequences, action_mask, attention_mask)]
+        agree = opob.passes_on_every_rank(prox.causal_lm(self.actor.model))
+        log_probs, norms = opob.full_norms(
+            self.actor, *batch, max_tokens=opob.pass_tokens(self.strategy.args), agree=agree
+        )
+        return log_probs.to("cpu"), norms
+
     def _opob_norms(self, sequences, action_mask):
         """--algo.advantage.baseline opob: capture the LM head's norms in this forward (``trainer/opob.py``); else
-        (off, or the whole model's norms, taken after it) nothing."""
+        (off) nothing. (The whole model's norms replace this forward: ``_opob_full_pass``.)"""
         if not config.opob_on(self.strategy.args) or self._opob_full():
             return contextlib.nullcontext()
         head = prox.output_head(prox.causal_lm(self.actor.model))
