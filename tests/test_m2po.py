@@ -401,3 +401,63 @@ def test_experience_maker_marks_the_batch_after_the_advantages(style):
         assert maker.last_metrics[m2po_trainer.CLIP_BOUND_KEY] == pytest.approx(expected, abs=1e-12)
         for exp in exps:
             assert exp.info[m2po_trainer.CLIP_BOUND_KEY].tolist() == [pytest.approx(expected, rel=1e-6)] * 4
+
+
+def test_training_step_hands_the_loss_this_micro_batchs_mask():
+    """``ActorPPOTrainer._training_step`` (the real method, a stand-in trainer): the upstream step it wraps calls the
+    loss as upstream's does and gets M2PO's loss on this micro-batch's mask; the mask is cleared afterwards."""
+    from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    exps = micro_batches(batch(seed=5), 2)
+    m2po_trainer.mark_batch(exps, 0.04, "paper")
+    exp = exps[1]
+    assert not exp.m2po_keep[exp.action_mask].all()  # something is masked in this micro-batch
+    loss_fn = ours("paper")
+    seen = []
+
+    def upstream_step(experience, kl_ctl, step, loss_batch_info):
+        log_probs = experience.action_log_probs.double()  # pi_theta = pi_old at the step's forward
+        loss, *_ = loss_fn(
+            log_probs, log_probs, experience.advantages, experience.action_mask, experience.rollout_log_probs
+        )
+        seen.append(loss.item())
+        return {"metrics": {}, "weights": {}}
+
+    trainer = types.SimpleNamespace(m2po_style="paper", actor_loss_fn=loss_fn, _upstream_step=upstream_step)
+    ActorPPOTrainer._training_step(trainer, exp, 0.0, 0)
+    log_r = exp.action_log_probs.double() - exp.rollout_log_probs.double()
+    valid, keep = exp.action_mask, exp.m2po_keep
+    expected = -(torch.exp(log_r) * exp.advantages * (valid & keep)).sum() / valid.sum()
+    assert seen == [pytest.approx(expected.item(), rel=1e-12)]
+    assert loss_fn.m2po_keep is None
+
+
+@pytest.mark.real_stack
+@pytest.mark.stack
+@pytest.mark.parametrize("style", ["paper"])
+def test_m2po_run_through_the_cli(tiny_world, tmp_path, style):
+    """The tiny async run (rollout 8 x 4 = one optimizer batch of 32) with M2PO: the metrics come from the controller
+    at every step, the loss trains on the mask (the run ends cleanly and logs the actors' cut fraction). Async: the
+    second batch was sampled by the weights before the first step, so log pi_theta/mu is more than the engine's
+    numerical mismatch there."""
+    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
+
+    run_dir = str(tmp_path)
+    args = tiny_args(tiny_world, run_dir) + [
+        "--algo.m2po_tau",
+        "1e-4",
+        "--algo.m2po_style",
+        style,
+        "--train.async_enable",
+    ]
+    rc, log = run_cli(args, run_dir)
+    assert rc == 0 and "Traceback" not in log, log[-6000:]
+    assert "the policy loss is M2PO's" in log
+    scalars = read_tensorboard(run_dir)
+    before, after = scalars["train/m2po/m2_before"], scalars["train/m2po/m2_after"]
+    assert len(before) == len(after) == len(scalars["train/policy_loss"]) == 2
+    assert all(a[1] <= 1e-4 + 1e-12 for a in after), after
+    frac = [v for _, v in scalars["train/m2po/masked_frac"]]
+    assert all(0 <= f <= 1 for f in frac) and frac[-1] > 0, (frac, before, after)
+    # the actors' per-micro-batch cut fraction, averaged over tokens, is the batch's (one step, every token once)
+    assert [v for _, v in scalars["train/ppo_clip_ratio"]] == pytest.approx(frac, abs=1e-6)

@@ -88,14 +88,6 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     )
 
     def training_step(self, experience, kl_ctl, step, loss_batch_info=None):
-        """Overrides upstream's only with --algo.m2po_tau (the loss gets the micro-batch's part of the batch's M2PO
-        mask or clip bound, trainer/m2po.py), then as below."""
-        if not self.m2po_style:
-            return self._replayed_training_step(experience, kl_ctl, step, loss_batch_info)
-        with m2po.applied(self.actor_loss_fn, experience, self.m2po_style):
-            return self._replayed_training_step(experience, kl_ctl, step, loss_batch_info)
-
-    def _replayed_training_step(self, experience, kl_ctl, step, loss_batch_info=None):
         """Overrides upstream's only with --algo.routing_replay (the whole step, forward and backward, replays the
         engine's experts; metrics routing/replayed_frac, routing/disagree_frac), then as below."""
         if not self.routing_replay:
@@ -126,6 +118,14 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         return status
 
     def _training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+        """Overrides upstream's only with --algo.m2po_tau (the loss gets this micro-batch's part of the batch's M2PO
+        mask or clip bound, trainer/m2po.py), then as below."""
+        if not self.m2po_style:
+            return self._upstream_step(experience, kl_ctl, step, loss_batch_info)
+        with m2po.applied(self.actor_loss_fn, experience, self.m2po_style):
+            return self._upstream_step(experience, kl_ctl, step, loss_batch_info)
+
+    def _upstream_step(self, experience, kl_ctl, step, loss_batch_info=None):
         if not self.args.algo.kl.off_policy_k2_enable and self.prox.ewma is None:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
         if self.prox.per_minibatch:  # PPO-EWMA as published: π_prox from the average as it is now (prox_sources.py)
