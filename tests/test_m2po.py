@@ -434,7 +434,7 @@ def test_training_step_hands_the_loss_this_micro_batchs_mask():
 
 @pytest.mark.real_stack
 @pytest.mark.stack
-@pytest.mark.parametrize("style", ["paper"])
+@pytest.mark.parametrize("style", ["paper", "code"])
 def test_m2po_run_through_the_cli(tiny_world, tmp_path, style):
     """The tiny async run (rollout 8 x 4 = one optimizer batch of 32) with M2PO: the metrics come from the controller
     at every step, the loss trains on the mask (the run ends cleanly and logs the actors' cut fraction). Async: the
@@ -459,5 +459,10 @@ def test_m2po_run_through_the_cli(tiny_world, tmp_path, style):
     assert all(a[1] <= 1e-4 + 1e-12 for a in after), after
     frac = [v for _, v in scalars["train/m2po/masked_frac"]]
     assert all(0 <= f <= 1 for f in frac) and frac[-1] > 0, (frac, before, after)
-    # the actors' per-micro-batch cut fraction, averaged over tokens, is the batch's (one step, every token once)
-    assert [v for _, v in scalars["train/ppo_clip_ratio"]] == pytest.approx(frac, abs=1e-6)
+    # the actors' per-micro-batch cut fraction, averaged over tokens, is the batch's (one step, every token once);
+    # code style: the token whose |log r| is the bound b itself may round either way in the loss's float32
+    tol = 1e-6 if style == "paper" else 0.01
+    assert [v for _, v in scalars["train/ppo_clip_ratio"]] == pytest.approx(frac, abs=tol)
+    if style == "code":
+        bounds = [v for _, v in scalars["train/m2po/clip_log_bound"]]
+        assert bounds[0] == m2po.LOG_RATIO_CLAMP and 0 <= bounds[-1] < 0.1, bounds  # step 1 within the budget
