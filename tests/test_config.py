@@ -92,6 +92,20 @@ def test_ess_lr_turns_on_rollout_logprobs_and_says_so(tiny_world):
     assert "force_logprobs" not in engine_kwargs(off)  # default: upstream's engine arguments
 
 
+@pytest.mark.parametrize("style", ["paper", "code"])
+def test_m2po_turns_on_rollout_logprobs_and_our_controllers(tiny_world, style):
+    from openrlhf_ess.trainer.ray.vllm_engine import engine_kwargs
+
+    m2po = ["--algo.m2po_tau", "0.04", "--algo.m2po_style", style, "--rollout.batch_size", "8"]
+    args, notices = cli.parse_args(_base(tiny_world) + m2po + ["--train.batch_size", "8"])
+    assert (args.algo.m2po_tau, args.algo.m2po_style) == (0.04, style)
+    assert config.m2po_on(args) and config.needs_our_controllers(args)
+    assert engine_kwargs(args)["force_logprobs"]
+    assert any("the policy loss is M2PO's" in n and "--actor.eps_clip_low_high is not used" in n for n in notices)
+    off, _ = cli.parse_args(_base(tiny_world))
+    assert off.algo.m2po_tau is None and not config.m2po_on(off)
+
+
 def test_cpu_default_sync_backend_is_reload(tiny_world):
     args, notices = cli.parse_args(_base(tiny_world))
     assert args.vllm.sync_backend == "reload"

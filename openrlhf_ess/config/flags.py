@@ -54,6 +54,7 @@ DEFAULTS = {
     "algo.prox_ewma_decay": 0.9,
     "algo.prox_ewma_style": "hilton",
     "algo.sampling_mask": "off",
+    "algo.m2po_style": "paper",
     "rollout.top_k": -1,
     "reward.failure_policy": "off",
     "train.stale_k": 0,
@@ -413,6 +414,22 @@ def add_off_policy_arguments(parser: argparse.ArgumentParser) -> None:
         help="token (default): per-token ratio; seq: the sequence's geometric-mean ratio, applied to all its tokens; "
         f"seq_product: the trajectory's ratio exp(sum_t log pi_prox/mu), VCPO's. Capped at --algo.tis_cap (given, "
         f"or {default_caps}). docs/off_policy.md.",
+    )
+    group.add_argument(
+        "--algo.m2po_tau",
+        type=float,
+        default=None,
+        help="M2PO: over the batch's trust-region tokens, mask those with the largest (log pi_theta/mu)^2 until "
+        "their mean is <= tau (0.04 in the paper); the loss is -M (pi_theta/mu) A, no eps-clip. Off by default. "
+        "Needs one optimizer step per rollout batch. docs/off_policy.md#m2po.",
+    )
+    group.add_argument(
+        "--algo.m2po_style",
+        type=str,
+        default=DEFAULTS["algo.m2po_style"],
+        choices=["paper", "code"],
+        help="With --algo.m2po_tau: paper (default) = Algorithm 1's mask; code = the released code's rule, PPO's "
+        "clip on pi_theta/mu with the bound exp(+-b) from the same budget, nothing masked. docs/off_policy.md#m2po.",
     )
     group.add_argument(
         "--algo.max_version_lag",

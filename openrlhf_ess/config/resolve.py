@@ -151,6 +151,10 @@ def opob_on(args: types.SimpleNamespace) -> bool:
     return args.algo.advantage.baseline == "opob"
 
 
+def m2po_on(args: types.SimpleNamespace) -> bool:
+    return getattr(args.algo, "m2po_tau", None) is not None
+
+
 def sampling_mask_on(args: types.SimpleNamespace) -> bool:
     return getattr(args.algo, "sampling_mask", DEFAULTS["algo.sampling_mask"]) == "keep"
 
@@ -191,6 +195,8 @@ def mu_consumers(args: types.SimpleNamespace) -> List[str]:
         out.append(f"--algo.advantage.is_correction_level {algo.advantage.is_correction_level}")
     if algo.kl.off_policy_k2_enable:
         out.append("--algo.kl.off_policy_k2_enable")
+    if m2po_on(args):
+        out.append(f"--algo.m2po_tau {algo.m2po_tau}")
     if algo.prox_mode != DEFAULTS["algo.prox_mode"]:
         out.append(f"--algo.prox_mode {algo.prox_mode}")
     if sampling_mask_on(args):

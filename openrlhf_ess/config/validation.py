@@ -401,6 +401,7 @@ def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> Non
                 "keep one (ours adds the min(pi_prox/mu, C) discrepancy term to upstream's pi_theta/pi_old weight)."
             )
     _validate_prox(args, notices)
+    _validate_m2po(args, notices)
     if resolve.needs_rollout_logprobs(args) and not args.vllm.num_engines:
         raise ConfigError(
             f"rollout log-probs (mu) come from vLLM engines: {', '.join(resolve.mu_consumers(args))} need "
@@ -408,6 +409,71 @@ def _validate_off_policy(args: types.SimpleNamespace, notices: List[str]) -> Non
         )
     if resolve.needs_rollout_logprobs(args) and not upstream_is and algo.tis_cap is None:
         notices.append("vLLM engines will return sampled-token log-probs (mu), as the enabled features need them.")
+
+
+def _validate_m2po(args: types.SimpleNamespace, notices: List[str]) -> None:
+    """--algo.m2po_tau / --algo.m2po_style (trainer/m2po.py): the mask is computed by the experience maker from
+    log pi_old - log mu, which is log pi_theta/mu at the step only when pi_old is the current weights' (recompute)
+    and the batch takes one optimizer step; the loss replaces PPO's and the IS corrections on the same ratio."""
+    algo = args.algo
+    if not resolve.m2po_on(args):
+        if algo.m2po_style != DEFAULTS["algo.m2po_style"]:
+            raise ConfigError(
+                f"--algo.m2po_style {algo.m2po_style} is set but --algo.m2po_tau is not: add --algo.m2po_tau 0.04 "
+                "(the paper's budget), or drop the flag."
+            )
+        return
+    tau = algo.m2po_tau
+    if not tau > 0 or tau == float("inf"):  # NaN fails too
+        raise ConfigError(
+            f"--algo.m2po_tau must be a finite budget > 0 on the mean (log pi_theta/mu)^2 of the trust-region tokens "
+            f"(the paper uses 0.04 in every run), got {tau}."
+        )
+    flag = f"--algo.m2po_tau {tau:g}"
+    if algo.vcpo_enable:
+        raise ConfigError(
+            f"{flag} with --algo.vcpo_enable: VCPO's recipe weights the loss by its truncated trajectory ratio, M2PO "
+            "replaces the loss with its own on pi_theta/mu. Use one of them."
+        )
+    if algo.tis_cap is not None or algo.advantage.is_correction_level != "off":
+        raise ConfigError(
+            f"{flag} with --algo.tis_cap / --algo.advantage.is_correction_level: M2PO's loss already takes the whole "
+            "ratio to the behaviour policy pi_theta/mu, so an IS weight pi_prox/mu would apply twice. Drop the IS "
+            "correction."
+        )
+    if args.actor.policy_loss_type != "ppo":
+        raise ConfigError(
+            f"{flag} with --actor.policy_loss_type {args.actor.policy_loss_type}: M2PO's loss is per token; use "
+            "--actor.policy_loss_type ppo."
+        )
+    if args.actor.dual_clip is not None:
+        raise ConfigError(
+            f"{flag} with --actor.dual_clip: M2PO's loss replaces PPO's clip (the mask, or the code style's adaptive "
+            "clip) and has no dual clip. Drop --actor.dual_clip."
+        )
+    if algo.prox_mode != DEFAULTS["algo.prox_mode"]:
+        raise ConfigError(
+            f"{flag} with --algo.prox_mode {algo.prox_mode}: the mask is computed from log pi_old - log mu, which is "
+            "log pi_theta/mu at the optimizer step only when pi_old is recomputed with the current weights. Use "
+            "--algo.prox_mode recompute."
+        )
+    samples = args.rollout.batch_size * args.rollout.n_samples_per_prompt
+    if args.train.max_epochs != 1 or args.train.batch_size != samples:
+        raise ConfigError(
+            f"{flag} with --train.batch_size {args.train.batch_size} and --train.max_epochs {args.train.max_epochs}: "
+            "the mask is taken over the whole optimizer batch, once, before its step, so it needs one optimizer step "
+            f"per rollout batch. Set --train.batch_size {samples} (--rollout.batch_size x "
+            "--rollout.n_samples_per_prompt) and --train.max_epochs 1."
+        )
+    notices.append(
+        f"{flag} (--algo.m2po_style {algo.m2po_style}): the policy loss is M2PO's on the ratio pi_theta/mu "
+        + (
+            "with the batch's mask and no eps-clip"
+            if algo.m2po_style == "paper"
+            else "clipped to the batch's adaptive bound"
+        )
+        + "; --actor.eps_clip_low_high is not used."
+    )
 
 
 def _validate_prox(args: types.SimpleNamespace, notices: List[str]) -> None:

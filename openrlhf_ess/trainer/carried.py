@@ -1,12 +1,13 @@
 """Per-sample tensors that ride on upstream's ``Experience`` as instance attributes, kept through its rebuilds.
 
-Two features carry a per-sample tensor next to upstream's dataclass fields (not as a field: upstream's class
+Three features carry a per-sample tensor next to upstream's dataclass fields (not as a field: upstream's class
 is not touched):
 
 - ``rollout_kept_counts`` (B, A), A = ``action_mask``'s width, padded with ``NOT_TRUNCATED``
   (``--algo.sampling_mask keep``, ``trainer/sampling_mask.py``);
 - ``rollout_routes`` [B, S, L, k], S = ``sequences``' width, padded with the "no route" sentinel
-  (``--algo.routing_replay``, ``trainer/routing_replay.py``).
+  (``--algo.routing_replay``, ``trainer/routing_replay.py``);
+- ``m2po_keep`` (B, A) bool, padded with True (``--algo.m2po_tau``, paper style, ``trainer/m2po.py``).
 
 Upstream rebuilds Experiences from the dataclass fields only (``split_experience_batch`` /
 ``make_experience_batch``), so an attribute is silently dropped wherever it does. Two places do, and both
@@ -59,6 +60,11 @@ def pad_kept(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     return pad_rows(rows, width, NOT_TRUNCATED)
 
 
+def pad_keep(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """(B, width) M2PO keep mask, right-padded with True (padding is outside the action mask anyway)."""
+    return pad_rows(rows, width, True)
+
+
 def pad_routes(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
     """[B, width, L, k] routes, right-padded with the sentinel of their dtype like ``sequences``."""
     return pad_rows(rows, width, routes_seam.sentinel(rows[0].dtype))
@@ -80,7 +86,8 @@ class Carried:
 
 KEPT_COUNTS = Carried("rollout_kept_counts", "action_mask", pad_kept, "--algo.sampling_mask keep")
 ROUTES = Carried("rollout_routes", "sequences", pad_routes, routes_seam.FLAG)
-REGISTRY = (KEPT_COUNTS, ROUTES)
+M2PO_KEEP = Carried("m2po_keep", "action_mask", pad_keep, "--algo.m2po_tau")
+REGISTRY = (KEPT_COUNTS, ROUTES, M2PO_KEEP)
 
 
 def batch_rows(carried: Carried, rows: Sequence[Optional[torch.Tensor]], width: int) -> Optional[torch.Tensor]:

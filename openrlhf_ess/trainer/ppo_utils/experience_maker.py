@@ -14,10 +14,17 @@ import torch
 from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker as _UpstreamRemoteExperienceMaker
 from openrlhf.utils.utils import zero_pad_sequences
 
-from openrlhf_ess.config import BYPASS_PROX_MODE, EXACT_PROX_MODES, opob_on, routing_replay_on, sampling_mask_on
+from openrlhf_ess.config import (
+    BYPASS_PROX_MODE,
+    EXACT_PROX_MODES,
+    m2po_on,
+    opob_on,
+    routing_replay_on,
+    sampling_mask_on,
+)
 from openrlhf_ess.models import corrections
 from openrlhf_ess.models.sampling_mask import NOT_TRUNCATED
-from openrlhf_ess.trainer import opob, reward_check, routing_replay
+from openrlhf_ess.trainer import m2po, opob, reward_check, routing_replay
 from openrlhf_ess.trainer.ppo_utils.samples_generator import kept_or_untruncated, versions_or_untagged
 from openrlhf_ess.trainer.ray.rollout_tags import NO_VERSION
 
@@ -95,14 +102,19 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
 
     def compute_advantages_and_returns(self, experiences):
         """Extends upstream's only with --algo.advantage.baseline opob: the group baseline becomes VCPO's b*
-        (trainer/opob.py); its metrics join this batch's (opob/*)."""
-        if not opob_on(self.args):
-            return super().compute_advantages_and_returns(experiences)
-        experiences, metrics = opob.replace_baseline(
-            self, experiences, super().compute_advantages_and_returns, self._opob_norms, self._opob_theta
-        )
-        self._opob_norms = self._opob_theta = None
-        self.last_metrics.update(metrics)
+        (trainer/opob.py); its metrics join this batch's (opob/*). Then, with --algo.m2po_tau, M2PO's mask or clip
+        bound over the whole batch, from its advantages (trainer/m2po.py; metrics m2po/*)."""
+        if opob_on(self.args):
+            experiences, metrics = opob.replace_baseline(
+                self, experiences, super().compute_advantages_and_returns, self._opob_norms, self._opob_theta
+            )
+            self._opob_norms = self._opob_theta = None
+            self.last_metrics.update(metrics)
+        else:
+            experiences = super().compute_advantages_and_returns(experiences)
+        if m2po_on(self.args):
+            algo = self.args.algo
+            self.last_metrics.update(m2po.mark_batch(experiences, algo.m2po_tau, algo.m2po_style))
         return experiences
 
     def _duplicate_factor(self) -> int:

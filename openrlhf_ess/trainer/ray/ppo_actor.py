@@ -12,6 +12,8 @@ found from its flag in one hop:
 - MoE routing replay (``--algo.routing_replay``): ``trainer/routing_replay.py``
 - VCPO's optimal baseline (``--algo.advantage.baseline opob``): ``trainer/opob.py``
 - a version lag set exactly (``--train.stale_k``): ``trainer/stale_lag.py``
+- M2PO (``--algo.m2po_tau``): ``trainer/m2po.py`` (the batch's mask, made by the experience maker) and
+  ``models/loss.py``
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from openrlhf_ess.trainer import (  # noqa: E402
     carried,
     ess_lr,
     kl_k2,
+    m2po,
     opob,
     prox,
     resume,
@@ -47,6 +50,7 @@ from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
 
 class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     routing_replay = False  # --algo.routing_replay, set by __init__ (a trainer built without it: off)
+    m2po_style = None  # --algo.m2po_style with --algo.m2po_tau, set by __init__ (None: off)
 
     def __init__(self, *args, **kwargs):
         """Extends upstream's init with what our flags need: the weight-version counter, the sequence-level
@@ -55,8 +59,11 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         # Weight syncs applied to the engines; tokens are tagged with it (docs/prox_modes.md).
         self.weight_version = 0
         algo = self.args.algo
-        if algo.tis_cap is not None:  # seq: the TIS maths; both levels: the check that μ reached the loss
-            self.actor_loss_fn = PolicyLoss.from_upstream(self.actor_loss_fn, algo.tis_cap, algo.tis_level)
+        self.m2po_style = algo.m2po_style if config.m2po_on(self.args) else None
+        if algo.tis_cap is not None or self.m2po_style:  # TIS (and the check that μ reached the loss), or M2PO
+            self.actor_loss_fn = PolicyLoss.from_upstream(
+                self.actor_loss_fn, algo.tis_cap, algo.tis_level, self.m2po_style
+            )
         self.prox = ProxSources(self.args, self.actor.model, self.weight_version)
         self.stale = self._stale_engine_weights()
         self.weight_sync = WeightSync(self)
@@ -66,8 +73,8 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
             sampling_mask.install(self.actor)
             self.stop_ids = sampling_mask.stop_token_ids(self.args.actor.model_name_or_path)
         self.routing_replay = config.routing_replay_on(self.args)
-        if config.sampling_mask_on(self.args) or self.routing_replay:
-            # the kept counts / routes ride as Experience attributes, which upstream's buffer would drop
+        if config.sampling_mask_on(self.args) or self.routing_replay or self.m2po_style:
+            # the kept counts / routes / M2PO mask ride as Experience attributes, which upstream's buffer would drop
             carried.adopt_replay_buffer(self.replay_buffer)
         self.lr_scale_hook = None
         if algo.ess_lr_enable:
@@ -126,6 +133,14 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         return status
 
     def _training_step(self, experience, kl_ctl, step, loss_batch_info=None):
+        """Overrides upstream's only with --algo.m2po_tau (the loss gets this micro-batch's part of the batch's M2PO
+        mask or clip bound, trainer/m2po.py), then as below."""
+        if not self.m2po_style:
+            return self._upstream_step(experience, kl_ctl, step, loss_batch_info)
+        with m2po.applied(self.actor_loss_fn, experience, self.m2po_style):
+            return self._upstream_step(experience, kl_ctl, step, loss_batch_info)
+
+    def _upstream_step(self, experience, kl_ctl, step, loss_batch_info=None):
         if not self.args.algo.kl.off_policy_k2_enable and self.prox.ewma is None:
             return super().training_step(experience, kl_ctl, step, loss_batch_info)
         if self.prox.per_minibatch:  # PPO-EWMA as published: π_prox from the average as it is now (prox_sources.py)
