@@ -93,6 +93,10 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "VCPO + snapshot": VCPO_VARIANT + SNAPSHOT,
     "VCPO (recipe)": ["--algo.vcpo_enable"],
     "TIS + EWMA (Hilton)": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "hilton"],
+    # M2PO as the paper describes it (Algorithm 1's mask at its τ = 0.04) and as its released code runs it (the
+    # adaptive clip from the same budget); both need one optimizer step per batch, the RLVR task's default
+    "M2PO": ["--algo.m2po_tau", "0.04"],
+    "M2PO (code)": ["--algo.m2po_tau", "0.04", "--algo.m2po_style", "code"],
     # AReaL's decoupled PPO with upstream's flags: π_prox recomputed at the step's weights (the default), the
     # behaviour weight π_prox/μ per token, tokens whose weight exceeds 5 masked (AReaL's behav_imp_weight_cap)
     "AReaL (decoupled)": [
