@@ -138,6 +138,8 @@ STALENESS = {k: STALENESS[k] for k in sorted(STALENESS, key=_level_order)}
 DEFAULT_STALENESS = ["sync", "async q1 + partial", "async q4 + partial"]
 # In synchronous training every token is lag 0: the exact and EWMA proximal policies equal recompute's.
 SYNC_CORRECTIONS = ("none", "TIS", "bypass")
+# The rows whose π_prox is scored at each sync (refused with --train.stale_k: snapshot is that lag's exact π_prox)
+SCORE_AT_SYNC_ROWS = ("TIS + interrupt", "TIS + dedicated")
 CURVES = (
     "train/reward",
     "train/version_lag/mean",
@@ -178,6 +180,8 @@ def grid(staleness: List[str], corrections: List[str]):
         for name in corrections:
             if level == "sync" and name not in SYNC_CORRECTIONS:
                 continue
+            if level.startswith("stale k") and name in SCORE_AT_SYNC_ROWS:
+                continue  # they score the version the trainer leaves; at a set lag the engines hold an older one
             yield level, name
 
 

@@ -258,6 +258,7 @@ def test_main_prints_our_line_last_and_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(cli, "parse_args", lambda argv: (ARGS, []))
     monkeypatch.setattr(cli.preflight, "check", lambda args: [])
     monkeypatch.setattr(cli.run_lock, "acquire_all", lambda args, **kwargs: [])  # ARGS has no output folders
+    monkeypatch.setattr(cli.preflight.outputs, "saves_best", lambda args: False)  # nor an eval or a ckpt group
     monkeypatch.setattr(ARGS.ray, "accelerator", "cpu", raising=False)  # main() exports it for the workers
     monkeypatch.setattr(ARGS, "train", SimpleNamespace(auto_resume=0), raising=False)  # no supervisor
     monkeypatch.setattr(cli, "train", lambda args: (_ for _ in ()).throw(cli.StartupFailed("start-up failed: x")))

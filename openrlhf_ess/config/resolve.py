@@ -208,7 +208,7 @@ def mu_consumers(args: types.SimpleNamespace) -> List[str]:
 
 def stale_k(args: types.SimpleNamespace) -> int:
     """--train.stale_k: the version lag set exactly (0: off)."""
-    return int(getattr(args.train, "stale_k", 0) or 0)
+    return int(getattr(getattr(args, "train", None), "stale_k", 0) or 0)
 
 
 def reward_file(args: types.SimpleNamespace):

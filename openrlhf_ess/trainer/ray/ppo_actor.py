@@ -50,6 +50,7 @@ from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
 
 class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     routing_replay = False  # --algo.routing_replay, set by __init__ (a trainer built without it: off)
+    stale = None  # --train.stale_k: the engines' older weights (stale_lag.py), set by __init__ when on
     m2po_style = None  # --algo.m2po_style with --algo.m2po_tau, set by __init__ (None: off)
 
     def __init__(self, *args, **kwargs):
