@@ -304,28 +304,29 @@ def run_once(
 
 
 def machine(cpuinfo: str = "/proc/cpuinfo") -> Dict:
-    """The CPU a run trained on, kept in its record: seconds compare only between runs on one kind of CPU. The
-    script trains in bf16; without AVX512-BF16 or AMX torch emulates bf16 matmuls (on an AVX2 machine here: 1.2
-    GFLOP/s against 64 in fp32 on one core), and the same 8-epoch run's training phase took 5x longer (18.1-18.8 s a
-    step against 3.6 s). The training is the same computation on both; only bf16's last bits may round apart."""
+    """The CPU a run trained on, kept in its record: seconds compare only between runs on one kind of CPU. Without
+    AVX512-BF16 or AMX torch emulates bf16 matmuls (on an AVX2 machine here: 1.2 GFLOP/s against 64 in fp32 on one
+    core), and the same 8-epoch bf16 run's training phase took 5x longer (18.1-18.8 s a step against 3.6 s); the
+    script now trains in fp32 there (``openrlhf_ess/runtime/cpu_dtype.py``), and ``dtype`` records which the run
+    computed in (runs stored before it: bf16). The training is the same computation either way; bf16 rounds it."""
     import torch
 
-    model, flags = "unknown", set()
+    from openrlhf_ess.runtime import cpu_dtype
+
+    model = "unknown"
     try:
         with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
+            names = (v.strip() for k, _, v in (line.partition(":") for line in f) if k.strip() == "model name")
+            model = next(names, model)
     except OSError:
         pass
+    flags = cpu_dtype.cpu_flags(cpuinfo)
     return {
         "cpu": model,
         "cores": os.cpu_count(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16": "native" if flags & {"avx512_bf16", "amx_bf16"} else "emulated",
+        "bf16": "native" if cpu_dtype.native_bf16(flags or "", os.environ) else "emulated",
+        "dtype": cpu_dtype.choose(flags).dtype,
     }
 
 
@@ -334,7 +335,8 @@ def machine_text(run: Dict) -> str:
     m = run.get("machine")
     if not m:
         return "not recorded"
-    return f"{m['cpu']}, {m['cores']} cores, {m['torch_cpu_capability']}, bf16 {m['bf16']}"
+    trained = ", trained in fp32" if m.get("dtype") == "fp32" else ""
+    return f"{m['cpu']}, {m['cores']} cores, {m['torch_cpu_capability']}, bf16 {m['bf16']}{trained}"
 
 
 def machine_table(results: Dict[str, List[Dict]]) -> List[str]:
