@@ -43,9 +43,10 @@ def world_for(a: argparse.Namespace, root: str, n_prompts: int) -> dict:
     return build_world(os.path.join(root, "world"), seed=0, n_prompts=n_prompts)
 
 
-def run_flags(a: argparse.Namespace, world: dict, run_dir: str, prompts: int) -> List[str]:
-    """The tests' tiny-run flags (8 prompts x 4 samples per step, ZeRO-2), adapted to the GPU variant."""
-    flags = tiny_args(world, run_dir, steps_prompts=prompts)
+def run_flags(a: argparse.Namespace, world: dict, run_dir: str, prompts: int, dtype=None) -> List[str]:
+    """The tests' tiny-run flags (8 prompts x 4 samples per step, ZeRO-2), adapted to the GPU variant (bf16, the
+    CLI's default there). ``dtype``: as :func:`tiny_args`' (default: this CPU's choice)."""
+    flags = tiny_args(world, run_dir, steps_prompts=prompts, dtype="bf16" if a.gpu else dtype)
     if a.gpu:
         flags[flags.index("sdpa")] = "flash_attention_2"
     return flags + a.extra.split()
@@ -136,12 +137,18 @@ def ray_temp_dir(run_dir: str) -> str:
     return os.path.join("/tmp", "ray_ess_" + os.path.basename(run_dir.rstrip("/"))[-20:])
 
 
-def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16, compiled: bool = False, kv_cache_gb=TEST_KV_GB):
+def tiny_args(
+    world: dict, run_dir: str, steps_prompts: int = 16, compiled: bool = False, kv_cache_gb=TEST_KV_GB, dtype=None
+):
     """CLI flags for a short tiny run: ``steps_prompts`` prompts in batches of 8 (4 samples each). The engine runs
     eager (``--vllm.enforce_eager``) unless ``compiled``: torch.compile's warm-up takes 8-30 s of a 2-core machine
     per run (docs/tests.md); the runs that keep the compiled engine users get by default say so. Its KV cache is
     ``kv_cache_gb`` (``--vllm.cpu_kv_cache_gb``; ``None``: the CLI's default, 1 GiB, whose zeroing took 5-11 s of a
-    run's start here); 64 MiB holds 65,536 tokens, 20x what the largest test run keeps at once."""
+    run's start here); 64 MiB holds 65,536 tokens, 20x what the largest test run keeps at once.
+
+    ``dtype`` (trainer and engine): ``None``, this CPU's choice (``openrlhf_ess/runtime/cpu_dtype.py``: fp32 where
+    bf16 is emulated, ``OPENRLHF_ESS_CPU_DTYPE`` forces one); ``"bf16"``, the CLI's defaults (no flag: a test of
+    bf16 numerics, or of what the CLI does with its defaults); ``"fp32"``."""
     args = [
         "--actor.model_name_or_path",
         world["model"],
@@ -198,7 +205,26 @@ def tiny_args(world: dict, run_dir: str, steps_prompts: int = 16, compiled: bool
         args.append("--vllm.enforce_eager")
     if kv_cache_gb is not None:
         args += ["--vllm.cpu_kv_cache_gb", str(kv_cache_gb)]
+    if (dtype or cpu_dtype()) == "fp32":
+        from openrlhf_ess.runtime.cpu_dtype import cli_flags
+
+        args += cli_flags("fp32")
     return args
+
+
+_DTYPE_SAID: list = []  # the dtype's line, once a process
+
+
+def cpu_dtype() -> str:
+    """The dtype of the tiny CPU runs here (``openrlhf_ess.runtime.cpu_dtype.choose``): ``bf16`` or ``fp32``; the
+    first call in a process prints the one line that says which, why, and how to force the other."""
+    from openrlhf_ess.runtime.cpu_dtype import choose, notice
+
+    choice = choose()
+    if not _DTYPE_SAID:
+        _DTYPE_SAID.append(notice(choice, "the tiny CPU runs of the tests and benchmarks"))
+        print(_DTYPE_SAID[0], flush=True)
+    return choice.dtype
 
 
 # What the last run_cli left: "leftovers" (processes of the run still alive 20 s after the CLI exited; then ended)

@@ -295,7 +295,7 @@ def run_once(
     ).stdout.strip()
     run["flags"] = flags
     run["machine"] = machine()
-    run["dtype"] = run_dtypes(flags)
+    run["dtype"] = run_dtypes(flags, run["machine"].get("dtype", "bf16"))
     if task == "rlvr":  # the task's settings this run had (the script's defaults where not given; N_EVAL always)
         from openrlhf_ess.tiny.rlvr import N_EVAL
 
@@ -305,40 +305,46 @@ def run_once(
     return run
 
 
-def run_dtypes(flags: List[str]) -> Dict[str, str]:
-    """The trainer's and the engine's dtypes a run's flags ask for (the last occurrence wins, as argparse reads them;
-    not given: the CLI's bf16 on both). In fp32 on both sides staleness is the only source of μ ≠ π_prox."""
+def run_dtypes(flags: List[str], script_choice: str = "bf16") -> Dict[str, str]:
+    """The trainer's and the engine's dtypes a run trained in: the grid's flags, which come after the script's (the
+    last occurrence wins, as argparse reads them); not given, the script's CPU choice (``runtime/cpu_dtype.py``: fp32
+    where the CPU emulates bf16). In fp32 on both sides staleness is the only source of μ ≠ π_prox."""
 
     def last(flag: str, default: str) -> str:
         found = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == flag]
         return found[-1] if found else default
 
-    return {"trainer": last("--ds.param_dtype", "bf16"), "engine": last("--vllm.dtype", "bfloat16")}
+    fp32 = script_choice == "fp32"
+    return {
+        "trainer": last("--ds.param_dtype", "fp32" if fp32 else "bf16"),
+        "engine": last("--vllm.dtype", "float32" if fp32 else "bfloat16"),
+    }
 
 
 def machine(cpuinfo: str = "/proc/cpuinfo") -> Dict:
-    """The CPU a run trained on, kept in its record: seconds compare only between runs on one kind of CPU. The
-    script trains in bf16; without AVX512-BF16 or AMX torch emulates bf16 matmuls (on an AVX2 machine here: 1.2
-    GFLOP/s against 64 in fp32 on one core), and the same 8-epoch run's training phase took 5x longer (18.1-18.8 s a
-    step against 3.6 s). The training is the same computation on both; only bf16's last bits may round apart."""
+    """The CPU a run trained on, kept in its record: seconds compare only between runs on one kind of CPU. Without
+    AVX512-BF16 or AMX torch emulates bf16 matmuls (on an AVX2 machine here: 1.2 GFLOP/s against 64 in fp32 on one
+    core), and the same 8-epoch bf16 run's training phase took 5x longer (18.1-18.8 s a step against 3.6 s); the
+    script now trains in fp32 there (``openrlhf_ess/runtime/cpu_dtype.py``), and ``dtype`` records which the run
+    computed in (runs stored before it: bf16). The training is the same computation either way; bf16 rounds it."""
     import torch
 
-    model, flags = "unknown", set()
+    from openrlhf_ess.runtime import cpu_dtype
+
+    model = "unknown"
     try:
         with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
+            names = (v.strip() for k, _, v in (line.partition(":") for line in f) if k.strip() == "model name")
+            model = next(names, model)
     except OSError:
         pass
+    flags = cpu_dtype.cpu_flags(cpuinfo)
     return {
         "cpu": model,
         "cores": os.cpu_count(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16": "native" if flags & {"avx512_bf16", "amx_bf16"} else "emulated",
+        "bf16": "native" if cpu_dtype.native_bf16(flags or "", os.environ) else "emulated",
+        "dtype": cpu_dtype.choose(flags).dtype,
     }
 
 
@@ -348,8 +354,10 @@ def machine_text(run: Dict) -> str:
     if not m:
         return "not recorded"
     text = f"{m['cpu']}, {m['cores']} cores, {m['torch_cpu_capability']}, bf16 {m['bf16']}"
-    d = run.get("dtype")  # runs recorded before it was kept trained bf16 on both sides
-    return text if not d else f"{text}; trainer {d['trainer']}, engine {d['engine']}"
+    d = run.get("dtype")  # each side's dtype (run_dtypes); older records kept only the script's choice, if that
+    if d:
+        return f"{text}; trainer {d['trainer']}, engine {d['engine']}"
+    return text + (", trained in fp32" if m.get("dtype") == "fp32" else "")
 
 
 def machine_table(results: Dict[str, List[Dict]]) -> List[str]:

@@ -65,7 +65,7 @@ def run_one(a, world, flags, root) -> dict:
     from openrlhf_ess.tools.summary import read_scalars
 
     run_dir = tempfile.mkdtemp(dir=root)
-    args = common_flags(a, world, run_dir, a.prompts)
+    args = common_flags(a, world, run_dir, a.prompts, dtype="bf16")  # the bf16 runs, against FP32's
     args += ["--train.num_episodes", str(a.episodes), "--rollout.temperature", "1.0"] + ASYNC + flags
     t0 = time.time()
     rc, log = run_cli(args, run_dir, timeout=3600)

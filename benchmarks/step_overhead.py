@@ -64,7 +64,7 @@ def measure(a) -> dict:
     world = build_world(os.path.join(tempfile.mkdtemp(prefix="ess_step_"), "world"), seed=0, n_prompts=8)
     micro = 8
     strategy, model, optim, scheduler = build_actor(
-        world["model"], world["prompts"], a.zero_stage, "bf16", a.samples, micro, extra=["--vllm.num_engines", "1"]
+        world["model"], world["prompts"], a.zero_stage, a.dtype, a.samples, micro, extra=["--vllm.num_engines", "1"]
     )
     rollout = make_rollout(0, a.samples)
     rollout.base_action_log_probs = rollout.action_log_probs - 0.05  # for the KL-loss group
@@ -100,7 +100,8 @@ def write_report(times: dict, a, path: str) -> None:
         "# Per-step overhead inside the actor (interleaved, one process)",
         "",
         f"Measured with `python -m benchmarks.step_overhead --reps {a.reps} --samples {a.samples} "
-        f"--zero_stage {a.zero_stage}` on a 2-core CPU machine: the real DeepSpeed actor (tiny Qwen2, bf16, "
+        f"--zero_stage {a.zero_stage} --dtype {a.dtype}` on a 2-core CPU machine: the real DeepSpeed actor (tiny "
+        f"Qwen2, {a.dtype}, "
         f"ZeRO-{a.zero_stage}), one rollout of {a.samples} samples per `ppo_train` call (micro-batch 8), each "
         f"configuration timed {a.reps} times, interleaved with the others. Median seconds per `ppo_train`, its "
         "ratio to the group's baseline, and the interquartile range of the timings (the noise).",
@@ -123,7 +124,18 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--zero_stage", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(REPO, "docs", "step_overhead.md"))
+    parser.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="the actor's dtype (default: bf16 where this CPU computes it natively, else fp32: "
+        "openrlhf_ess/runtime/cpu_dtype.py)",
+    )
     a = parser.parse_args()
+    if a.dtype is None:
+        from benchmarks.common import cpu_dtype
+
+        a.dtype = cpu_dtype()
     times = measure(a)
     write_report(times, a, a.out)
     print(open(a.out).read())

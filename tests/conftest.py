@@ -51,7 +51,16 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return [f"WARNING: {LEAK_CHECK_OFF}"] if LEAK_CHECK_OFF else []
+    return ([f"WARNING: {LEAK_CHECK_OFF}"] if LEAK_CHECK_OFF else []) + [cpu_dtype_line()]
+
+
+def cpu_dtype_line() -> str:
+    """The session's one line on the dtype its CPU runs compute in (``tests/helpers/e2e.py::tiny_args``, the
+    in-process actors and engines that take this CPU's choice): fp32 where bf16 is emulated, and how to force bf16.
+    The tests marked ``bf16`` keep bf16 on every CPU."""
+    from openrlhf_ess.runtime.cpu_dtype import choose, notice
+
+    return notice(choose(), "this session's tiny CPU runs (tests marked bf16 keep bf16)")
 
 
 @pytest.fixture(scope="session")

@@ -101,7 +101,7 @@ def _verdict(case, engines):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=pytest.mark.bf16), "fp32"])
 def test_rounding_passes_both_checks(engines, dtype):
     v = _verdict(("none", dtype), engines)
     assert not v["canary fails"] and v["sampled"] == "at T", v
@@ -113,6 +113,7 @@ def test_rounding_passes_both_checks(engines, dtype):
 
 
 @pytest.mark.engine
+@pytest.mark.bf16
 def test_raw_logprobs_are_named_by_the_sampled_contract(engines):
     """vLLM's logprobs_mode raw_logprobs while sampling at T = 0.6: μ is log softmax(z). The canary (temperature 1)
     cannot see it; the sampled contract names it."""
@@ -121,6 +122,7 @@ def test_raw_logprobs_are_named_by_the_sampled_contract(engines):
 
 
 @pytest.mark.engine
+@pytest.mark.bf16
 def test_another_lm_head_fails_the_relative_bound(engines):
     v = _verdict(("tied-head", "bf16"), engines)
     assert v["canary fails"] and v["rel"] > 1.0, v

@@ -23,6 +23,7 @@ def run_actor(tiny_world, tmp_path, **kw):
     return json.loads(out.read_text())
 
 
+@pytest.mark.bf16  # DeepSpeed's bf16 optimizer path at each stage, what GPU runs take
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_actor_step_each_zero_stage(tiny_world, tmp_path, zero_stage):
     res = run_actor(tiny_world, tmp_path, zero_stage=zero_stage, param_dtype="bf16", steps=3)

@@ -112,6 +112,7 @@ def test_async_run(tiny_world, tmp_path):
 
 
 @pytest.mark.stack
+@pytest.mark.bf16  # --vllm.fp32_lm_head: the fp32 head of a bf16 engine (refused with an fp32 one)
 def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     run_dir = str(tmp_path)
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.ess_lr_enable"]
@@ -120,7 +121,7 @@ def test_async_partial_run_with_all_corrections(tiny_world, tmp_path):
     flags += ["--algo.prox_mode", "snapshot", "--algo.prox_snapshots", "3"]
     flags += ["--vllm.fp32_lm_head"]  # vLLM's fp32 head in the bf16 engine, checked in its worker at start-up
     flags += ["--algo.advantage.baseline", "opob"]  # with ESS-LR: VCPO in full
-    args = tiny_args(tiny_world, run_dir, steps_prompts=24, compiled=True)
+    args = tiny_args(tiny_world, run_dir, steps_prompts=24, compiled=True, dtype="bf16")
     args[args.index("--algo.kl.init_coef") + 1] = "0.01"  # a reference model and a KL loss
     wandb = ["--logger.wandb.key", "offline-" + "0" * 32]
     # vLLM CPU's own variable set as env_cpu.sh once did: --vllm.cpu_kv_cache_gb (64 MiB here) must still win
@@ -276,9 +277,10 @@ def test_weight_sync_difference_below_canary_tolerance_is_named(tiny_world, tmp_
 
 @pytest.mark.stack
 def test_startup_canary_stops_an_engine_that_computes_another_function(tiny_world, tmp_path):
-    """The start-up self-check's engine canary before the first rollout: the bf16 engine and the bf16
-    trainer differ by rounding (~1e-2 nats here), so a tolerance of 1e-9 makes it fire, as an engine with another
-    LM head or kernels would at the default; the run stops before training, naming the contract and the flags."""
+    """The start-up self-check's engine canary before the first rollout: the engine and the trainer differ by
+    rounding (~1e-2 nats here in bf16, less in fp32, never 0: other kernels), so a tolerance of 1e-9 makes it fire,
+    as an engine with another LM head or kernels would at the default; the run stops before training, naming the
+    contract and the flags."""
     run_dir = str(tmp_path)
     rc, log = run_cli(tiny_args(tiny_world, run_dir) + ["--vllm.sync_check_tol", "1e-9"], run_dir, timeout=600)
     assert rc != 0

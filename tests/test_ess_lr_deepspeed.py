@@ -26,6 +26,11 @@ FAST = [(0, "fp32", 1), (1, "bf16", 2), (2, "bf16", 1), (3, "fp32", 2)]
 MATRIX = [(z, d, a) for z in range(4) for d in ("fp32", "bf16") for a in (1, 2)]
 
 
+def _marked(cases):
+    """The bf16 cases marked ``bf16``: the hook's place in DeepSpeed's bf16 optimizer wrapper, kept on every CPU."""
+    return [pytest.param(*c, marks=pytest.mark.bf16) if c[1] == "bf16" else c for c in cases]
+
+
 def _run_all(tiny_world, tmp_path, zero, dtype, accum, runs):
     """The variants ``runs`` = [(variant, lr), ...] one after the other in one process (tests/helpers/ess_ds.py
     ``--variants``: each a fresh model from the same checkpoint and seed): {(variant, lr): result}."""
@@ -77,13 +82,13 @@ def _check(tiny_world, tmp_path, zero, dtype, accum):
     assert len(set(on["lrs"])) == len(on["lrs"])  # cosine: the LR really moves every rollout
 
 
-@pytest.mark.parametrize("zero,dtype,accum", FAST, ids=lambda v: str(v))
+@pytest.mark.parametrize("zero,dtype,accum", _marked(FAST), ids=lambda v: str(v))
 def test_ess_lr_on_deepspeed(tiny_world, tmp_path, zero, dtype, accum):
     _check(tiny_world, tmp_path, zero, dtype, accum)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero,dtype,accum", [c for c in MATRIX if c not in FAST], ids=lambda v: str(v))
+@pytest.mark.parametrize("zero,dtype,accum", _marked([c for c in MATRIX if c not in FAST]), ids=lambda v: str(v))
 def test_ess_lr_on_deepspeed_full_matrix(tiny_world, tmp_path, zero, dtype, accum):
     _check(tiny_world, tmp_path, zero, dtype, accum)
 

@@ -57,6 +57,7 @@ def _engine_heads(model, tmp_path, fp32_head):
 
 
 @pytest.mark.slow
+@pytest.mark.bf16
 def test_real_bf16_engine_honours_the_override(tiny_world, tmp_path):
     """vLLM CPU 0.31 in bf16: hf_overrides head_dtype=float32 makes its LogitsProcessor fp32; without it, bf16.
     (The default suite covers the same through the CLI's engine actor in the e2e run.)"""

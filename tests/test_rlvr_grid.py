@@ -437,17 +437,22 @@ def test_the_update_is_read_per_step_and_tabled_as_window_means_at_five_checkpoi
     assert rlvr_grid.curves_table({"sync | none": [{"seed": 0, "eval": []}]}) == []  # recorded without curves
 
 
-def test_a_run_records_its_cpu_and_whether_bf16_is_native(tmp_path):
+def test_a_run_records_its_cpu_whether_bf16_is_native_and_its_dtype(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENRLHF_ESS_CPU_DTYPE", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     info = tmp_path / "cpuinfo"
-    for flags, bf16 in (
-        ("fpu avx2 fma", "emulated"),
-        ("fpu avx2 avx512f avx512_bf16", "native"),
-        ("amx_bf16", "native"),
+    for flags, bf16, dtype in (
+        ("fpu avx2 fma", "emulated", "fp32"),
+        ("fpu avx2 avx512f avx512_bf16", "native", "bf16"),
+        ("amx_bf16", "native", "bf16"),
     ):
         info.write_text(f"processor\t: 0\nmodel name\t: Test CPU 9\nflags\t\t: {flags}\nprocessor\t: 1\n")
         m = rlvr_grid.machine(str(info))
-        assert (m["cpu"], m["bf16"]) == ("Test CPU 9", bf16)
+        assert (m["cpu"], m["bf16"], m["dtype"]) == ("Test CPU 9", bf16, dtype)
     assert rlvr_grid.machine(str(tmp_path / "absent"))["cpu"] == "unknown"
+    assert rlvr_grid.machine_text({"machine": {**m, "dtype": "fp32"}}).endswith("bf16 native, trained in fp32")
+    assert rlvr_grid.machine_text({"machine": m}).endswith("bf16 native")  # bf16: as the runs stored before
 
 
 def test_a_file_of_runs_on_two_machines_says_which_seed_ran_where(tmp_path):
@@ -511,3 +516,6 @@ def test_each_run_records_the_dtypes_its_flags_ask_for():
     assert rlvr_grid.run_dtypes([]) == {"trainer": "bf16", "engine": "bfloat16"}
     flags = ["--ds.param_dtype", "bf16", "--vllm.dtype", "float32", "--ds.param_dtype", "fp32"]
     assert rlvr_grid.run_dtypes(flags) == {"trainer": "fp32", "engine": "float32"}  # argparse: the last one wins
+    # the script chose fp32 (a CPU that emulates bf16) and the grid's flags said nothing else
+    assert rlvr_grid.run_dtypes([], "fp32") == {"trainer": "fp32", "engine": "float32"}
+    assert rlvr_grid.run_dtypes(["--vllm.dtype", "bfloat16"], "fp32") == {"trainer": "fp32", "engine": "bfloat16"}

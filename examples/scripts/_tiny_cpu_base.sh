@@ -18,12 +18,18 @@ tiny_engine_args=(
    --vllm.cpu_kv_cache_gb 0.0625
 )
 
+# the dtype, trainer and engine: bf16 where this CPU computes it natively, else fp32 (torch emulates bf16 there, 2x
+# to 70x slower; openrlhf_ess/runtime/cpu_dtype.py). One line says which and why; OPENRLHF_ESS_CPU_DTYPE=bf16, or
+# the flags it names after the script's name, force bf16. The CLI's own default (GPU recipes) stays bf16.
+tiny_dtype_flags=$(python -m openrlhf_ess.runtime.cpu_dtype --what "$(basename "$0")" --script "$0")
+read -r -a tiny_dtype_args <<< "$tiny_dtype_flags"
+
 tiny_deepspeed_args=(
    --actor.lr_warmup_ratio 0
    --actor.lr_scheduler constant
    --ds.zero_stage 2
-   --ds.param_dtype bf16
    --ds.attn_implementation sdpa
+   "${tiny_dtype_args[@]}"
 )
 
 tiny_output_args=(
