@@ -72,17 +72,24 @@ def test_rollout_metrics_histogram_and_mismatch():
     assert out["mismatch/k3"] == pytest.approx((1 - math.log(2)) / 2)
     assert out["mismatch/chi2"] == pytest.approx(1.5)
     assert out["mismatch/max_abs_log_ratio"] == pytest.approx(math.log(2))
-    assert out["mismatch/ess_frac"] == pytest.approx(1.0)  # one trajectory: ESS/B = 1 by definition
+    assert "mismatch/ess_frac" not in out  # no per-trajectory weights given
 
 
 def test_rollout_metrics_ess_of_the_geometric_mean_weights():
-    # w_1 = exp(mean(0, 0)) = 1; trajectory 2 has one response token (its second column is masked) with
-    # log π_prox − log μ = log 4, so w_2 = 4; ESS/B = (1 + 4)^2 / (2 · (1 + 16)) = 25/34
-    prox = [torch.tensor([[-1.0, -2.0], [-1.0, -5.0]])]
-    mu = [torch.tensor([[-1.0, -2.0], [-1.0 - math.log(4.0), -9.0]])]
-    mask = [torch.tensor([[True, True], [True, False]])]
-    out = rollout_metrics(torch.tensor([0, 0, 0]), torch.tensor(0.0), prox, mu, mask)
-    assert out["mismatch/ess_frac"] == pytest.approx(25 / 34)
+    # micro-batch 1: w = exp(mean(0, 0)) = 1; its second trajectory has one response token (its second column is
+    # masked) with log π_prox − log μ = log 4, so w = 4; micro-batch 2 (another width): one trajectory, w = exp(0) = 1.
+    # ESS/B = (1 + 4 + 1)^2 / (3 · (1 + 16 + 1)) = 36/54 = 2/3
+    prox_1, mu_1 = (
+        torch.tensor([[-1.0, -2.0], [-1.0, -5.0]]),
+        torch.tensor([[-1.0, -2.0], [-1.0 - math.log(4.0), -9.0]]),
+    )
+    mask_1 = torch.tensor([[True, True], [True, False]])
+    prox_2, mu_2, mask_2 = torch.tensor([[-3.0, -1.0, -2.0]]), torch.tensor([[-3.0, -1.5, -1.5]]), torch.ones(1, 3) > 0
+    seq = [C.sequence_log_weights(p, m, k) for p, m, k in ((prox_1, mu_1, mask_1), (prox_2, mu_2, mask_2))]
+    flat = [t.flatten() for t in (prox_1, prox_2)], [t.flatten() for t in (mu_1, mu_2)]
+    masks = [mask_1.flatten(), mask_2.flatten()]
+    out = rollout_metrics(torch.tensor([0, 0, 0]), torch.tensor(0.0), *flat, masks, seq)
+    assert out["mismatch/ess_frac"] == pytest.approx(2 / 3)
 
 
 def test_tis_weights_token_and_seq():

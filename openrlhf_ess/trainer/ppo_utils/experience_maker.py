@@ -137,7 +137,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
         reward_check.check_run_rewards(experiences, self.args)  # a reward model's, now set
         algo = self.args.algo
         max_lag = algo.max_version_lag
-        lags, masks, prox, mu, tis = [], [], [], [], []
+        lags, masks, prox, mu, tis, seq_weights = [], [], [], [], [], []
         stale = torch.zeros((), dtype=torch.float64)
         prox_missing = actor_nonfinite = 0
         exact = algo.prox_mode in EXACT_PROX_MODES
@@ -190,6 +190,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
                 masks.append(mask.flatten())
                 prox.append(exp.action_log_probs.flatten())
                 mu.append(exp.rollout_log_probs.flatten())
+                seq_weights.append(corrections.sequence_log_weights(exp.action_log_probs, exp.rollout_log_probs, mask))
                 if algo.tis_cap is not None:
                     w = corrections.tis_weights(
                         exp.action_log_probs, exp.rollout_log_probs, mask, algo.tis_cap, algo.tis_level
@@ -204,7 +205,7 @@ class RemoteExperienceMaker(_UpstreamRemoteExperienceMaker):
             )
         if algo.prox_audit_dir:
             write_audit_batch(algo.prox_audit_dir, self.weight_version, experiences)
-        self.last_metrics = rollout_metrics(torch.cat(lags), stale, prox, mu, masks)
+        self.last_metrics = rollout_metrics(torch.cat(lags), stale, prox, mu, masks, seq_weights)
         self.last_metrics["actor_logprob_nonfinite"] = float(actor_nonfinite)
         if algo.prox_mode != "recompute":
             self.last_metrics["prox/masked_missing_tokens"] = float(prox_missing)
@@ -304,9 +305,12 @@ def mask_stale_tokens(action_mask: torch.Tensor, versions: torch.Tensor, version
     return action_mask & ~too_stale, lag, sampled & ~too_stale, int(too_stale.sum())
 
 
-def rollout_metrics(lags: torch.Tensor, stale: torch.Tensor, prox: list, mu: list, masks: list) -> Dict[str, float]:
+def rollout_metrics(
+    lags: torch.Tensor, stale: torch.Tensor, prox: list, mu: list, masks: list, seq_weights: list = ()
+) -> Dict[str, float]:
     """Batch-global metrics: version-lag histogram, stale-token count, train/rollout mismatch (k1, k3, χ², the largest
-    |log ratio|, and ESS/B of the per-trajectory geometric-mean weights)."""
+    |log ratio| over the flattened tokens of ``prox``, ``mu``, ``masks``), and ESS/B of the per-trajectory
+    geometric-mean weights, from each micro-batch's ``corrections.sequence_log_weights`` (``seq_weights``)."""
     out: Dict[str, float] = {}
     n = max(lags.numel(), 1)
     if lags.numel():
@@ -321,9 +325,10 @@ def rollout_metrics(lags: torch.Tensor, stale: torch.Tensor, prox: list, mu: lis
         mask = torch.cat(masks)
         stats = corrections.mismatch_stats(torch.cat(prox)[mask], torch.cat(mu)[mask])
         out.update({f"mismatch/{k}": v for k, v in zip(("k1", "k3", "chi2", "max_abs_log_ratio"), stats.tolist())})
+    if seq_weights:
         # ESS/B of the seed's per-trajectory weights w_i = exp(mean_t log π_prox/μ), whatever corrects the loss: the
         # staleness monitor of every run (ESS-LR's rho_ess is the same number where it is on with its default form)
-        rows = [torch.atleast_2d(t) for t in (torch.cat(prox), torch.cat(mu), mask)]  # (B, A) trajectories
-        log_w, valid = corrections.sequence_log_weights(*rows)
+        log_w = torch.cat([w for w, _ in seq_weights])
+        valid = torch.cat([v for _, v in seq_weights])
         out["mismatch/ess_frac"] = corrections.ess_ratio(log_w, valid).item()
     return out
