@@ -155,6 +155,11 @@ def test_the_lag_needs_versions_and_mu(tiny_world):
     assert config.stale_k(args) == 4
     assert config.needs_versions(args) and "--train.stale_k 4" in config.mu_consumers(args)
     assert config.max_lag_possible(args) == 4
+    argv, parse_args = _args(
+        tiny_world, **{"train.stale_k": 4, "eval.dataset": tiny_world["prompts"], "eval.steps": 2}
+    )
+    _, notices = parse_args(argv)
+    assert any("each eval runs on the engines, which hold the weights 4 versions behind" in n for n in notices)
     snapshot = {"train.stale_k": 4, "algo.prox_mode": "snapshot", "algo.prox_snapshots": 5}
     argv, parse_args = _args(tiny_world, **snapshot)
     parse_args(argv)  # accepted: the snapshot store holds v - 4 ... v

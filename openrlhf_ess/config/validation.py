@@ -199,7 +199,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             "--algo.ess_lr_floor/--algo.ess_lr_weight/--algo.ess_lr_rule are set but --algo.ess_lr_enable is not: "
             "add --algo.ess_lr_enable, or drop them."
         )
-    _validate_stale(args)
+    _validate_stale(args, notices)
     _validate_off_policy(args, notices)
     _validate_sampling_mask(args, notices)
     _validate_auto_resume(args)
@@ -693,7 +693,7 @@ def _validate_replacement(args: types.SimpleNamespace) -> None:
         raise ConfigError(f"--vllm.max_restarts {n}: {why}, or --vllm.max_restarts 0 (a dead engine stops the run).")
 
 
-def _validate_stale(args: types.SimpleNamespace) -> None:
+def _validate_stale(args: types.SimpleNamespace, notices: List[str]) -> None:
     """--train.stale_k K (trainer/stale_lag.py): synchronous training, the engines holding weights K versions back."""
     k = getattr(args.train, "stale_k", 0)
     if k < 0:
@@ -714,6 +714,11 @@ def _validate_stale(args: types.SimpleNamespace) -> None:
             "version the trainer leaves at each sync, while here the engines hold one K versions older. Use "
             f"--algo.prox_mode snapshot with --algo.prox_snapshots {k + 1} (the same exact pi_prox, from the copies "
             "this lag keeps anyway)."
+        )
+    if resolve.eval_on(args):
+        notices.append(
+            f"--train.stale_k {k}: each eval runs on the engines, which hold the weights {k} versions behind the "
+            "trainer's (eval/weight_version says which version each eval measured)."
         )
     if args.ckpt.load_enable or args.train.auto_resume > 0:
         raise ConfigError(
