@@ -241,7 +241,9 @@ def test_the_cli_samples_every_batch_k_versions_back(tiny_world, tmp_path):
             w += [math.exp(d / n) for d, n in zip(diff.sum(-1).tolist(), m.sum(-1).tolist()) if n > 0]
         ess_here.append(sum(w) ** 2 / (len(w) * sum(x * x for x in w)))
     assert ess_logged == pytest.approx(ess_here, abs=1e-6)
-    assert min(ess_here[2:]) < 0.999  # at a lag of 2 the weights spread: the check above could fail
+    # at a lag of 2 the weights spread (ESS/B 0.9993 and 0.9998 at steps 3 and 4 in the recorded run), so a metric
+    # stuck at 1.0, as one reading the flattened tokens as a single trajectory was, fails here
+    assert min(ess_here[2:]) < 1 - 1e-4
 
     weights = {int(p.rsplit("_v", 1)[1].split(".")[0]): load_file(p) for p in glob.glob(f"{audit}/weights_v*")}
     model = AutoModelForCausalLM.from_pretrained(tiny_world["model"], dtype=torch.float32).eval()
