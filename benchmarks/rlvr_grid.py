@@ -305,19 +305,22 @@ def run_once(
     return run
 
 
+def flag_value(flags: List[str], flag: str, default=None):
+    """The value of ``flag`` in a run's ``flags`` as argparse reads them (the last occurrence wins); ``default``
+    where the flag is absent."""
+    found = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == flag]
+    return found[-1] if found else default
+
+
 def run_dtypes(flags: List[str], script_choice: str = "bf16") -> Dict[str, str]:
     """The trainer's and the engine's dtypes a run trained in: the grid's flags, which come after the script's (the
     last occurrence wins, as argparse reads them); not given, the script's CPU choice (``runtime/cpu_dtype.py``: fp32
     where the CPU emulates bf16). In fp32 on both sides staleness is the only source of μ ≠ π_prox."""
 
-    def last(flag: str, default: str) -> str:
-        found = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f == flag]
-        return found[-1] if found else default
-
     fp32 = script_choice == "fp32"
     return {
-        "trainer": last("--ds.param_dtype", "fp32" if fp32 else "bf16"),
-        "engine": last("--vllm.dtype", "float32" if fp32 else "bfloat16"),
+        "trainer": flag_value(flags, "--ds.param_dtype", "fp32" if fp32 else "bf16"),
+        "engine": flag_value(flags, "--vllm.dtype", "float32" if fp32 else "bfloat16"),
     }
 
 
@@ -468,17 +471,14 @@ FROZEN = "frozen policy (the start, never trained)"
 
 def stale_k_of(run: Dict) -> Optional[int]:
     """The lag a run set with --train.stale_k (the last value of its flags), None where it set none."""
-    flags = run.get("flags", [])
-    found = [int(flags[i + 1]) for i, f in enumerate(flags[:-1]) if f == "--train.stale_k"]
-    return found[-1] if found else None
+    k = flag_value(run.get("flags", []), "--train.stale_k")
+    return None if k is None else int(k)
 
 
 def steps_per_version(run: Dict) -> int:
     """Optimizer steps per weight version: the epochs a batch (--train.max_epochs, 1 unless given), the script's
     --train.batch_size being the whole rollout batch (one minibatch)."""
-    flags = run.get("flags", [])
-    found = [int(flags[i + 1]) for i, f in enumerate(flags[:-1]) if f == "--train.max_epochs"]
-    return found[-1] if found else 1
+    return int(flag_value(run.get("flags", []), "--train.max_epochs", 1))
 
 
 def first_below(run: Dict, start_value: float) -> Optional[int]:

@@ -695,7 +695,7 @@ def _validate_replacement(args: types.SimpleNamespace) -> None:
 
 def _validate_stale(args: types.SimpleNamespace, notices: List[str]) -> None:
     """--train.stale_k K (trainer/stale_lag.py): synchronous training, the engines holding weights K versions back."""
-    k = getattr(args.train, "stale_k", 0)
+    k = resolve.stale_k(args)
     if k < 0:
         raise ConfigError(f"--train.stale_k must be >= 0 (0 = off), got {k}.")
     if k == 0:

@@ -84,7 +84,7 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
 
     def _stale_engine_weights(self):
         """--train.stale_k K: the weights the engines are sent, K versions behind (trainer/stale_lag.py); None off."""
-        k = int(getattr(self.args.train, "stale_k", 0) or 0)
+        k = config.stale_k(self.args)
         if k <= 0:
             return None
         partitioned = prox.is_partitioned(self.actor.model.module)
