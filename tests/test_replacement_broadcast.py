@@ -265,6 +265,7 @@ def test_a_broadcast_left_waiting_by_a_dead_member_ends_the_rank_after_the_grace
     def waits(self):
         self.keeper_impl.hello(1, 301, reconstructed=True)
         assert released.wait(timeout=30), "the rank was not ended"
+        threading.Event().wait(10 * weight_sync.RESTART_POLL_S)  # a watcher that went on would fire again here
 
     monkeypatch.setattr(upstream_actor.ActorPPOTrainer, "broadcast_to_vllm", waits)
     trainer.broadcast_to_vllm()

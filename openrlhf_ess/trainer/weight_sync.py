@@ -723,6 +723,7 @@ class _RestartDuringSync:
             if seen is not None and time.monotonic() - seen >= self.grace_s and not self._done:
                 print(f"[openrlhf-ess] {self.message()}", file=sys.stderr, flush=True)
                 os._exit(1)
+                return  # os._exit does not return; a stand-in for it (tests) must not see a second call
 
     def __enter__(self) -> "_RestartDuringSync":
         import threading
