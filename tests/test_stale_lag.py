@@ -81,6 +81,31 @@ def test_each_sync_sends_the_weights_of_k_versions_back():
             assert torch.equal(p, truth[4][name])
 
 
+def test_an_eval_is_lent_the_live_weights_then_the_engines_get_theirs_back():
+    """Around an eval (``ActorPPOTrainer.eval_weights``): the engines are sent the live weights and the sync check
+    compares them with the live ones; afterwards they are sent the version K back again, as the test cloned it."""
+    store, module, truth, _ = _run_syncs(k=2, syncs=5)
+    assert (store.held, store.live) == (3, 5)
+    assert store.lend() == 5 and store.held == 5
+    with store.engine_weights():  # the check's view while the eval runs: the trainer's own weights
+        for name, p in module.named_parameters():
+            assert torch.equal(p, truth[5][name])
+    with pytest.raises(RuntimeError, match="lent twice"):
+        store.lend()
+    back = store.give_back()
+    assert back == 3 and store.held == 3 and store.lent is None
+    with store.weights_of(back):  # what the sync after the eval sends
+        for name, p in module.named_parameters():
+            assert torch.equal(p, truth[3][name])
+    with store.engine_weights():
+        for name, p in module.named_parameters():
+            assert torch.equal(p, truth[3][name])
+    for name, p in module.named_parameters():  # the swap undone
+        assert torch.equal(p, truth[5][name])
+    with pytest.raises(RuntimeError, match="nothing was lent"):
+        store.give_back()
+
+
 def test_the_snapshot_store_is_shared_not_copied():
     shared = prox.WeightSnapshots(3)
     engine = _engine()
@@ -140,6 +165,7 @@ def _args(world, **over):
         ({"train.stale_k": 4, "algo.prox_mode": "interrupt"}, "prox_mode snapshot with --algo.prox_snapshots 5"),
         ({"train.stale_k": 4, "algo.prox_mode": "snapshot"}, "Set --algo.prox_snapshots 5"),
         ({"train.stale_k": 4, "ckpt.load_enable": True}, "cannot resume from a checkpoint yet"),
+        ({"train.stale_k": 4, "vllm.max_restarts": 1}, "Drop --vllm.max_restarts (0)"),
     ],
 )
 def test_bad_combinations_name_the_flag_and_the_fix(tiny_world, over, words):
@@ -159,7 +185,7 @@ def test_the_lag_needs_versions_and_mu(tiny_world):
         tiny_world, **{"train.stale_k": 4, "eval.dataset": tiny_world["prompts"], "eval.steps": 2}
     )
     _, notices = parse_args(argv)
-    assert any("each eval runs on the engines, which hold the weights 4 versions behind" in n for n in notices)
+    assert not [n for n in notices if "stale_k" in n]  # evals run on the trainer's weights: nothing to warn of
     snapshot = {"train.stale_k": 4, "algo.prox_mode": "snapshot", "algo.prox_snapshots": 5}
     argv, parse_args = _args(tiny_world, **snapshot)
     parse_args(argv)  # accepted: the snapshot store holds v - 4 ... v
@@ -211,7 +237,9 @@ def test_the_cli_samples_every_batch_k_versions_back(tiny_world, tmp_path):
     response token (but the first, sampled with EOS banned) has μ equal to HF's log-prob under the recorded weights
     of version max(0, v − 2) to 1e-4, and differs from the trainer's own version v's by more than that on the
     stale steps (the lag is real, not a label); the weight sync check passed at every sync; the logged ESS/B
-    (``mismatch/ess_frac``) is the one computed here by hand from the audit trail's π_prox and μ."""
+    (``mismatch/ess_frac``) is the one computed here by hand from the audit trail's π_prox and μ. Evals at steps 2
+    and 4 run on the trainer's weights (``eval/weight_version`` 2 and 4; the sync check compares each lend with the live weights), and
+    the engines get their K-behind weights back: step 3's tokens are still HF's under version 0."""
     import glob
 
     from safetensors.torch import load_file
@@ -222,10 +250,11 @@ def test_the_cli_samples_every_batch_k_versions_back(tiny_world, tmp_path):
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=32)  # 4 steps of 8 prompts
     flags = ["--ds.param_dtype", "fp32", "--vllm.dtype", "float32", "--train.stale_k", "2"]
-    flags += ["--algo.prox_audit_dir", audit]
+    flags += ["--algo.prox_audit_dir", audit, "--eval.dataset", tiny_world["prompts"], "--eval.steps", "2"]
     rc, log = run_cli(args + flags, run_dir)
     assert rc == 0, log[-5000:]
     tb = read_tensorboard(run_dir)
+    assert tb["eval/weight_version"] == [(2, 2.0), (4, 4.0)]  # the trainer's versions, not 0 and 2
     assert [v for _, v in tb["train/version_lag/mean"]] == [0.0, 1.0, 2.0, 2.0]
     assert [v for _, v in tb["train/stale/engine_version"]] == [0.0, 0.0, 0.0, 1.0]
     assert [v for _, v in tb["train/version_lag/mean"]] == [v for _, v in tb["train/version_lag/max"]]

@@ -715,10 +715,11 @@ def _validate_stale(args: types.SimpleNamespace, notices: List[str]) -> None:
             f"--algo.prox_mode snapshot with --algo.prox_snapshots {k + 1} (the same exact pi_prox, from the copies "
             "this lag keeps anyway)."
         )
-    if resolve.eval_on(args):
-        notices.append(
-            f"--train.stale_k {k}: each eval runs on the engines, which hold the weights {k} versions behind the "
-            "trainer's (eval/weight_version says which version each eval measured)."
+    if args.vllm.max_restarts > 0:
+        raise ConfigError(
+            f"--train.stale_k {k} with --vllm.max_restarts {args.vllm.max_restarts}: a replaced engine reloads the "
+            "last sync's weights under the trainer's version, while here they are K versions older, so its tokens "
+            "would carry the wrong version. Drop --vllm.max_restarts (0) for a set-lag run."
         )
     if args.ckpt.load_enable or args.train.auto_resume > 0:
         raise ConfigError(

@@ -102,7 +102,20 @@ class PPOTrainerImpl(SyncEvalMixin, OffPolicyControllerMixin, _UpstreamPPOTraine
             return {**_upstream.compute_eval_metrics(*args, **kwargs), **generator.last_eval_clock}
 
         evaluate = upstream.rebind(_UpstreamPPOTrainer.evaluate.__wrapped__, {"compute_eval_metrics": with_clock})
-        return evaluate(self, global_step, **generate_kwargs)
+        if config.stale_k(self.args) <= 0:
+            return evaluate(self, global_step, **generate_kwargs)
+        self._engines_eval_weights(live=True)  # --train.stale_k: the eval measures the trainer's policy
+        try:
+            return evaluate(self, global_step, **generate_kwargs)
+        finally:
+            self._engines_eval_weights(live=False)
+
+    def _engines_eval_weights(self, live: bool) -> None:
+        """--train.stale_k: the trainer's live weights to the engines before an eval, their K-behind ones after it
+        (``ActorPPOTrainer.eval_weights``); woken for it as upstream's sync wakes them (--vllm.enable_sleep)."""
+        if self.args.vllm.enable_sleep:
+            _upstream.batch_vllm_engine_call(self.vllm_engines, "wake_up", tags=["weights"])
+        ray.get(self.actor_model_group.async_run_method(method_name="eval_weights", live=live))
 
 
 PPOTrainer = ray.remote(PPOTrainerImpl)

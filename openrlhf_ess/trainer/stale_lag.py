@@ -16,6 +16,10 @@ ZeRO-3 each rank keeps its partition ((K + 1)·M / ranks per rank); otherwise ra
 where every rank sends its own and so keeps its own. ``--algo.prox_mode snapshot`` keeps the same versions on every
 rank already: its store is used (no second copy). Pre-flight counts the bytes (``checks/resources.py``).
 
+An eval measures the trainer's policy: before it the engines are sent the live weights (and told the trainer's
+version), after it the older version again (:meth:`StaleEngineWeights.lend`, :meth:`StaleEngineWeights.give_back`):
+two more syncs per eval, each checked as any sync.
+
 Every consumer that compares the trainer with the engines sees the version sent: the transport (any backend) and the
 sync check (checksums and canary) run with the stored weights swapped into the actor (``prox.swapped_weights``: no
 copy of the live weights, optimizer state untouched; under ZeRO-3 every rank at once, a partition each).
@@ -76,6 +80,7 @@ class StaleEngineWeights:
         self.store = shared if shared is not None else (prox.WeightSnapshots(host_copies(k)) if keeps else None)
         self.held = 0  # the version the engines hold (the initial weights: they load the same checkpoint)
         self.live = 0  # the trainer's version
+        self.lent = None  # during an eval: the version the engines held before they were sent the live weights
         if self.store is not None and not self.shared:
             self.store.put(0, self.module)
         self.swap_stats = prox.SwapStats()
@@ -120,6 +125,21 @@ class StaleEngineWeights:
         self.live, self.held = new_version, sent
         if self.store is not None and not self.shared:
             self.store.put(new_version, self.module)
+
+    def lend(self) -> int:
+        """Before an eval: the engines are about to hold the trainer's live weights (an eval measures the policy being
+        trained, not the one K versions back). Returns the version they will hold; :meth:`give_back` undoes it."""
+        if self.lent is not None:
+            raise RuntimeError(f"--train.stale_k {self.k}: the engines hold the live weights already (lent twice)")
+        self.lent, self.held = self.held, self.live
+        return self.live
+
+    def give_back(self) -> int:
+        """After the eval: the version the engines held before :meth:`lend`, which they are about to hold again."""
+        if self.lent is None:
+            raise RuntimeError(f"--train.stale_k {self.k}: nothing was lent to an eval")
+        self.held, self.lent = self.lent, None
+        return self.held
 
     def nbytes(self) -> int:
         return self.store.nbytes() if self.store is not None else 0

@@ -250,9 +250,28 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
         self.weight_version += 1
         self.prox.after_sync(self.weight_version)
         self.weight_sync.audit(self.weight_version)  # each version once, when the trainer first holds it
+        self._tell_engines(self.weight_version if engine_version is None else engine_version)
+
+    def _tell_engines(self, held: int) -> None:
+        """Rank 0: every engine is told the version it holds (the tag of the tokens it samples from now on)."""
         if self.vllm_engines and config.needs_versions(self.args) and torch.distributed.get_rank() == 0:
-            held = self.weight_version if engine_version is None else engine_version
             ray.get([engine.set_weight_version.remote(held) for engine in self.vllm_engines])
+
+    def eval_weights(self, live: bool) -> None:
+        """--train.stale_k (trainer/stale_lag.py), all ranks, around an eval: ``live`` sends the engines the trainer's
+        own weights and version, so the eval measures the policy being trained; then ``live=False`` sends them back
+        the version K behind. Each of the two syncs is checked now (checksums, the canary on its cadence) when
+        --vllm.sync_check_tol > 0; the engines are idle (synchronous training)."""
+        if live:
+            self._send_weights()
+            held = self.stale.lend()
+        else:
+            held = self.stale.give_back()
+            with self.stale.weights_of(held):
+                self._send_weights()
+        self._tell_engines(held)
+        if self.args.vllm.sync_check_tol > 0:
+            self.weight_sync.check()
 
     def weights_blob(self):
         return self.weight_sync.weights_blob()
@@ -280,6 +299,10 @@ class PolicyModelActorImpl(RendezvousPort, _UpstreamPolicyModelActor):
         ours = self.checkpoint_states.pop(CHECKPOINT_KEY, None)
         if ours:
             self.trainer.load_checkpoint_state(ours)
+
+    def eval_weights(self, live: bool):
+        """--train.stale_k: the engines' weights around an eval (``ActorPPOTrainer.eval_weights``)."""
+        return self.trainer.eval_weights(live)
 
     def check_replaced_engines(self):
         """Engine replacement (all ranks): the sync check on every engine now (``WeightSync.check_replaced``)."""
