@@ -492,6 +492,20 @@ def test_the_memory_self_check_counts_the_pass_and_names_the_flags(tiny_world, t
     assert "MiB free" in selfcheck.check_memory([dict(report, free=8 << 30)], args)
 
 
+def test_the_memory_formula_takes_the_widest_normed_activation():
+    """W is the hidden size, or heads × head_dim where per-head q/k norms see more (the published configs' numbers)."""
+    from types import SimpleNamespace as C
+
+    from openrlhf_ess.trainer.opob import norm_width
+
+    qwen25_7b = C(hidden_size=3584, num_attention_heads=28, head_dim=None)  # head_dim derived: 128
+    assert norm_width(qwen25_7b) == 3584
+    assert norm_width(C(hidden_size=1024, num_attention_heads=16, head_dim=128)) == 2048  # Qwen3-0.6B
+    assert norm_width(C(hidden_size=2560, num_attention_heads=32, head_dim=128)) == 4096  # Qwen3-4B
+    assert norm_width(C(hidden_size=5120, num_attention_heads=64, head_dim=128)) == 8192  # Qwen3-32B
+    assert norm_width(C()) == 0
+
+
 @pytest.mark.parametrize("shape", [(7, 3, 5), (2, 40, 50)])  # T(d_in + d_out) > d_in d_out: direct; else gram
 def test_linear_ghost_norms_equal_the_explicit_gradient(shape):
     t, d_in, d_out = shape

@@ -238,8 +238,8 @@ def test_the_cli_samples_every_batch_k_versions_back(tiny_world, tmp_path):
     of version max(0, v − 2) to 1e-4, and differs from the trainer's own version v's by more than that on the
     stale steps (the lag is real, not a label); the weight sync check passed at every sync; the logged ESS/B
     (``mismatch/ess_frac``) is the one computed here by hand from the audit trail's π_prox and μ. Evals at steps 2
-    and 4 run on the trainer's weights (``eval/weight_version`` 2 and 4; the sync check compares each lend with the live weights), and
-    the engines get their K-behind weights back: step 3's tokens are still HF's under version 0."""
+    and 4 run on the trainer's weights (``eval/weight_version`` 2 and 4; the sync check compares each lend with the
+    live weights), and the engines get their K-behind weights back: step 3's tokens are still HF's under version 0."""
     import glob
 
     from safetensors.torch import load_file

@@ -193,7 +193,9 @@ def memory_probe(actor) -> dict:
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     report = {"model_bytes": total, "largest_param_bytes": largest, "world": world, "free": None, "total": None}
     config = getattr(getattr(getattr(model, "model", None), "module", getattr(model, "model", None)), "config", None)
-    report["hidden"] = getattr(config, "hidden_size", 0) or 0  # the norm pass's per-row temporaries
+    from openrlhf_ess.trainer.opob import norm_width
+
+    report["hidden"] = norm_width(config) if config is not None else 0  # the norm pass's per-row temporaries
     if torch.cuda.is_available():
         free, device_total = torch.cuda.mem_get_info()
         # What PyTorch's caching allocator holds but does not use is free to this process (upstream's fit()

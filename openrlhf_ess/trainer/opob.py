@@ -405,8 +405,19 @@ def pass_extra_bytes(tokens: int, rows: int, hidden: int) -> int:
     """Device bytes the whole-model norm pass holds beyond a training micro-batch of ``rows`` rows of ``tokens``
     under the same gradient checkpointing (docs/opob.md, memory): one module's norm products, one row at a time
     (two T × T fp32 matrices, or a ≤ 64 MiB fp32 block of its gradient and its 16-bit product), and over the rows
-    four B × T × H fp32 tensors (a norm's x̂, g and their product; a tied head's projection, kept to the end)."""
+    four B × T × W fp32 tensors (a norm's x̂, g and their product; a tied head's projection, kept to the end).
+    ``hidden``: W, the widest normed activation (:func:`norm_width`)."""
     return max(8 * tokens * tokens, 2 * BLOCK_BYTES) + 4 * 4 * rows * tokens * hidden
+
+
+def norm_width(config) -> int:
+    """The widest activation a norm of the model acts on, the W of :func:`pass_extra_bytes`: the hidden size H, or
+    heads × head_dim where per-head norms (Qwen3's, Gemma3's q/k norms on (B, T, heads, head_dim)) see a wider one
+    (Qwen3-0.6B: 16 × 128 = 2,048 against H = 1,024). 0 for a config without a hidden size."""
+    hidden = getattr(config, "hidden_size", 0) or 0
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
+    return max(hidden, heads * head_dim)
 
 
 def pass_tokens(args) -> int:
