@@ -186,6 +186,126 @@ def test_watchdog_zero_watches_nothing():
     created.stop()
 
 
+# ---------------------------------------------------------------- paused for a weight sync is not hung
+
+
+def test_a_paused_engine_is_not_timed_and_is_timed_again_from_its_resume():
+    clock = EngineClock(0)
+    clock.answer(0.0, {"pid": 7, "tokens": {"a": 4}, "paused": False})
+    clock.answer(5.0, {"pid": 7, "tokens": {"a": 4}, "paused": True})  # paused with a request in flight
+    assert clock.stalled_for(900.0) == 0.0
+    clock.answer(900.0, {"pid": 7, "tokens": {"a": 4}, "paused": False})  # resumed: its stretch starts here
+    assert clock.stalled_for(903.0) == 3.0
+
+
+def test_a_sync_longer_than_the_bound_with_requests_paused_across_it_is_not_a_hang():
+    """Partial rollouts: the engine streams, is paused at t=20 for a weight sync that lasts 95 s (3x the 30 s
+    bound: a large model's gather, kept set, regroup and broadcast), then resumes and streams again. Nothing is
+    stopped. The same silence without the pause mark is a hang at the bound (the test can fail)."""
+    for paused, fires_at in ((True, None), (False, 50.0)):
+        fake = _Fake()
+        dog = fake.watchdog(watchdog_s=30.0)
+        fired = None
+        for t in range(0, 160, 3):
+            fake.now = float(t)
+            streamed = t if t < 20 else (20 if t < 115 else t - 95)
+            in_sync = 20 <= t < 115
+            fake.answers[0] = {"pid": 100, "tokens": {"r1": streamed, "r2": 1}, "paused": paused and in_sync}
+            if dog.tick() is not None and fired is None:
+                fired = float(t)
+        if fires_at is None:
+            assert fired is None and fake.stopped == [] and dog.hung is None
+        else:
+            assert fired is not None and 50.0 <= fired <= 53.0 and fake.stopped == ["engine0"], fired
+
+
+def _engine_with(llm):
+    from openrlhf_ess.trainer.ray import vllm_engine
+
+    engine = object.__new__(vllm_engine.RolloutRayActorImpl)
+    engine.llm, engine._keeper, engine.engine_index = llm, None, 0
+    return engine
+
+
+def test_the_engine_marks_itself_paused_from_pause_to_resume_for_the_watchdog():
+    """Our engine actor between upstream's pause_generation and resume_generation (vLLM's own calls stand-ins):
+    watchdog_progress says paused, with its requests in flight; after the resume it does not."""
+    import asyncio
+    import types
+
+    calls = []
+
+    class State:
+        detokenizer = types.SimpleNamespace(num_output_tokens=lambda: 6)
+
+    class LLM:
+        errored = False
+        output_processor = types.SimpleNamespace(request_states={"r1": State()})
+
+        async def pause_generation(self, mode):
+            calls.append(("pause", mode))
+
+        async def resume_generation(self):
+            calls.append("resume")
+
+    engine = _engine_with(LLM())
+
+    async def sync():
+        seen = [await engine.watchdog_progress()]
+        await engine.pause_generation()
+        seen.append(await engine.watchdog_progress())
+        await engine.resume_generation()
+        seen.append(await engine.watchdog_progress())
+        return seen
+
+    before, during, after = asyncio.run(sync())
+    assert calls == [("pause", "keep"), "resume"]
+    assert [p["paused"] for p in (before, during, after)] == [False, True, False]
+    assert during["tokens"] == {"r1": 6} and during["pid"] == os.getpid()
+
+
+def test_the_watchdogs_calls_run_in_the_engines_own_concurrency_group():
+    """Declared on the actor class (a group of its own) and on the two methods the watchdog and a regroup call, so
+    that they never queue behind up to 1,000 generation calls in the default group."""
+    from openrlhf_ess.trainer.ray import vllm_engine
+
+    groups = vllm_engine.RolloutRayActor._default_options["concurrency_groups"]
+    assert set(groups) == {"watch"} and groups["watch"] >= 1
+    impl = vllm_engine.RolloutRayActorImpl
+    assert impl.watchdog_progress.__ray_concurrency_group__ == "watch"
+    assert impl.held_weight_version.__ray_concurrency_group__ == "watch"
+    assert not hasattr(impl.generate_responses, "__ray_concurrency_group__")  # the default group
+
+
+def test_with_replacement_on_and_watchdog_zero_only_the_restart_deadline_is_kept():
+    """--vllm.watchdog_s 0 with a keeper: the thread runs (every restart's deadline) but times no hang."""
+    fake = _Fake()
+    dog = EngineWatchdog(
+        fake.engines,
+        0.0,
+        poll_s=3.0,
+        out=fake.out.append,
+        stop_engine=fake.stopped.append,
+        ask=lambda engine: [fake.engines.index(engine)],
+        wait=fake._wait,
+        get=lambda ref: fake._get(ref) if isinstance(ref, list) and ref else ref,  # the keeper answers []
+        clock=lambda: fake.now,
+        keeper=_NoRestarts(),
+    )
+    fake.answers[0] = {"pid": 100, "tokens": {"r1": 3}}
+    for t in range(0, 2000, 100):
+        fake.now = float(t)
+        assert dog.tick() is None
+    assert fake.stopped == []
+
+
+class _NoRestarts:
+    """A keeper handle with nothing down or restarting."""
+
+    overdue = type("_", (), {"remote": staticmethod(lambda timeout_s: [])})
+    restarting = type("_", (), {"remote": staticmethod(lambda: [])})
+
+
 # ---------------------------------------------------------------- the flag
 
 

@@ -381,8 +381,9 @@ def test_pre_flight_takes_nccl_and_refuses_a_ray_collective_group():
 
 
 def test_rank_0s_host_holds_the_kept_set_beside_the_broadcast():
-    """Pre-flight's host-memory needs with NCCL and replacement: M + 3 messages on rank 0 (the set kept), and a
-    restarted engine's workers staging it as a reload does: TP·(M + 2m) + 2m; none of it without replacement."""
+    """Pre-flight's host-memory needs with NCCL and replacement: 2 M + 3 messages on rank 0 (the set kept, and the
+    next sync's set put before the keeper lets it go), and a restarted engine's workers staging it as a reload does:
+    TP·(M + 2m) + 2m; none of it without replacement."""
     from openrlhf_ess.checks.resources import host_memory_needs
     from openrlhf_ess.trainer.ray.vllm_worker_wrap import RELOAD_MESSAGE_BYTES
 
@@ -398,6 +399,6 @@ def test_rank_0s_host_holds_the_kept_set_beside_the_broadcast():
 
     assert needs(0) == {}
     assert needs(1) == {
-        "actor rank 0 (--vllm.max_restarts: the weights kept for a restarted engine)": model + 3 * m,
+        "actor rank 0 (--vllm.max_restarts: the weights kept for a restarted engine)": 2 * model + 3 * m,
         "a restarted vLLM engine with its 2 worker(s) (--vllm.max_restarts)": 2 * (model + 2 * m) + 2 * m,
     }

@@ -218,7 +218,12 @@ def train(args) -> None:
 
     # The engines are watched from their creation on (--vllm.watchdog_s; trainer/ray/engine_watchdog.py).
     # Replacement (--vllm.max_restarts): the engine keeper is created with them (trainer/ray/engine_keeper.py).
-    engines = WatchedEngines(create_vllm_engines(args), args.vllm.watchdog_s, args.vllm.max_restarts)
+    engines = WatchedEngines(
+        create_vllm_engines(args),
+        args.vllm.watchdog_s,
+        args.vllm.max_restarts,
+        getattr(args.vllm, "restart_timeout_s", None),
+    )
     # Every trainer role draws its rendezvous port outside the ephemeral range (trainer/ray/rendezvous.py).
     classes = {
         **role_classes(),
