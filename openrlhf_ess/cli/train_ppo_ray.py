@@ -385,7 +385,7 @@ def _main(argv: Optional[List[str]]) -> None:
         print(f"[openrlhf-ess] {notice}")
     try:  # one run per output folder (run_lock.py): held until this process exits, however it exits
         command = None if argv is None else ["-m", "openrlhf_ess.cli.train_ppo_ray", *argv]
-        locks = run_lock.acquire_all(args, log=print, argv=command)
+        locks = run_lock.acquire_all(args, log=print, argv=command, saves_best=preflight.outputs.saves_best(args))
     except config.ConfigError as e:
         print(f"openrlhf-ess: error: {e}", file=sys.stderr)
         sys.exit(2)
