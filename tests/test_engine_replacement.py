@@ -255,6 +255,30 @@ def test_an_unannounced_death_is_due_from_its_new_instances_hello():
     ), message
 
 
+def test_a_death_the_watchdog_found_is_due_from_the_silence_and_a_known_restart_is_not_reported_again():
+    keeper, now = _clocked_keeper(1)
+    now[0] = 110.0
+    keeper.died(0, 10.0)  # silent since t=100, Ray restarting the actor: its new instance has not said hello
+    now[0] = 399.0
+    assert keeper.overdue(300.0) == []
+    now[0] = 400.0
+    [due] = keeper.overdue(300.0)
+    assert (due["engine"], due["cause"], due["waited"]) == (0, None, 300.0)
+    assert due["waiting"] == engine_keeper.WAITING_FOR_PLACEMENT  # Ray never started its new instance
+    keeper.hello(0, 200, reconstructed=True)  # its first word: the deadline still runs from the silence
+    assert keeper.down[0]["since"] == 100.0 and keeper.down[0]["pid"] == 200
+    now[0] = 420.0
+    keeper.rejoined(0, 200, 0, 20.0)
+    keeper.died(0, 25.0)  # a report of the same death that reaches the keeper after the restart said hello (t=400)
+    assert keeper.down == {} and keeper.overdue(0.0) == []
+    now[0] = 500.0
+    keeper.died(1, 5.0)  # engine 1 dies past the budget of 1: reported, then its new instance is refused
+    assert keeper.down == {1: {"since": 495.0, "cause": None}}
+    assert keeper.hello(1, 201, reconstructed=True)["allowed"] is False
+    keeper.died(1, 8.0)  # late: the refusal is known
+    assert keeper.down == {} and keeper.overdue(0.0) == []
+
+
 def test_the_auto_deadline_is_three_first_starts_and_at_least_the_floor():
     assert engine_watchdog.restart_deadline(90.0, [500.0]) == 90.0  # given: as given
     assert engine_watchdog.restart_deadline(None, []) == 300.0  # nothing measured yet: the floor

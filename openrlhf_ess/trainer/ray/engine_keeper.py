@@ -23,9 +23,10 @@ How, in four parts:
   ``__init__``: the actor stays dead, its calls fail, and the run stops with every failure named in order. A restart
   whose new instance died during its own start (before it served) is closed as failed and uses one of the ``N``, as
   it used one of Ray's restarts.
-- **The deadline.** From an engine's death or kill (or, for a death nobody announced, its new instance's first word)
-  to its rejoin, at most ``--vllm.restart_timeout_s``: the watchdog asks :meth:`EngineKeeperImpl.overdue` at each look
-  and stops the run past it, naming the engine, the cause and what it waited for (:func:`overdue_message`).
+- **The deadline.** From an engine's death or kill (for a death nobody announced, the start of the silence in which
+  the watchdog found Ray restarting it, or its new instance's first word if that came first) to its rejoin, at most
+  ``--vllm.restart_timeout_s``: the watchdog asks :meth:`EngineKeeperImpl.overdue` at each look and stops the run
+  past it, naming the engine, the cause and what it waited for (:func:`overdue_message`).
 - **The check.** A restarted engine compares its canary log-probs with the trainer's under the weights it loaded
   (kept here with them) before it serves a call, and fails its restart if they differ; and its samples are not
   trained until the weight sync check (per-tensor checksums taken now, and the canary's log-probs against the
@@ -157,13 +158,14 @@ class EngineKeeperImpl:
             )
         old_pid = self.pids.get(engine)
         self.pids[engine] = pid
+        now = self.clock()
         event = {"engine": engine, "old_pid": old_pid, "cause": self.causes.pop(engine, None), "new_pid": None}
+        event["hello_at"] = now  # a death the watchdog reports later is this one (:meth:`died`)
         self.events.append(event)
         if self._used() >= self.max_restarts:  # the new event is neither begun nor done yet
             event["refused"] = f"--vllm.max_restarts {self.max_restarts} restart(s) already used"
             self.down.pop(engine, None)  # the actor stays dead: Ray's error stops the run
             return {"allowed": False, "history": history_text(self.events), "max_restarts": self.max_restarts}
-        now = self.clock()
         event.update(restarting=True, started=now, pid_started=pid)
         down = self.down.setdefault(engine, {"since": now, "cause": event["cause"]})
         down.update(pid=pid, hello_at=now)
@@ -208,6 +210,17 @@ class EngineKeeperImpl:
         its failure's line; its restart's deadline runs from now."""
         self.causes[engine] = cause
         self.down.setdefault(engine, {"since": self.clock()})["cause"] = cause
+
+    def died(self, engine: int, silent_s: float) -> None:
+        """The watchdog found ``engine`` silent for ``silent_s`` seconds and Ray restarting its actor: a death nobody
+        announced (a signal, the kernel's memory killer, a lost node). Its restart's deadline runs from the start of
+        that silence, also when its new instance never says hello (a placement never made). Nothing changes when the
+        engine is already down, or a new instance of it said hello since (that restart is already known: admitted,
+        refused past the budget, or done)."""
+        since = self.clock() - float(silent_s)
+        if engine in self.down or any(e["engine"] == engine and e["hello_at"] >= since for e in self.events):
+            return
+        self.down[engine] = {"since": since, "cause": None}
 
     def overdue(self, timeout_s: float) -> List[Dict[str, Any]]:
         """Engines down for ``timeout_s`` or more without rejoining (``--vllm.restart_timeout_s``), each with how long

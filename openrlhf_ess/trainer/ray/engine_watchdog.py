@@ -11,6 +11,14 @@ answer; a new request alone is not. An engine that stops answering the watchdog'
 its event loop blocked) makes no progress either, once it has answered at least once: before its first answer it is
 still starting (model load, compile), which the watchdog leaves to the start-up checks.
 
+A silent engine is not always a stopped one: with replacement on, Ray holds the calls of an engine actor that died
+(SIGKILL, the kernel's memory killer, a lost node) until its new instance serves, so a dead engine is as silent as
+a stopped one. Before it calls a silent engine hung the watchdog asks Ray for the actor's state (:func:`actor_state`):
+one that Ray is restarting or has ended died, and did not hang. Its death is the keeper's to name (the new instance is
+replaced, or refused past the budget, which stops the run naming every failure); the watchdog tells the keeper when
+the silence began (``EngineKeeperImpl.died``), from which the restart's deadline runs, and times the engine again
+from the new instance's first answer.
+
 An engine paused for a weight sync (``RolloutRayActorImpl.pause_generation`` marks it until ``resume_generation``;
 with partial rollouts the whole sync runs inside that pause) streams nothing by design: its requests in flight are not
 timed while it says so, only its silence is (an engine that stops answering). The sync itself is bounded elsewhere
@@ -53,6 +61,18 @@ def restart_deadline(timeout_s: Optional[float], first_starts: Sequence[float]) 
     if timeout_s:
         return float(timeout_s)
     return max(RESTART_TIMEOUT_FLOOR_S, RESTART_TIMEOUT_FACTOR * max(first_starts, default=0.0))
+
+
+def actor_state(engine: Any) -> Optional[str]:
+    """Ray's state of an engine's actor (``ALIVE``, ``RESTARTING``, ``DEAD``, ...), read from Ray's control store
+    with the call Ray's own ``was_current_actor_reconstructed`` makes; None when it cannot be read (then the
+    engine's clock alone decides, as before this look)."""
+    try:
+        from ray._private.state import actors
+
+        return actors(actor_id=engine._actor_id.hex()).get("State") or None
+    except Exception:
+        return None
 
 
 def poll_interval(watchdog_s: float) -> float:
@@ -135,10 +155,11 @@ def hang_message(clock: EngineClock, stalled_s: float, watchdog_s: float, now: f
 class EngineWatchdog:
     """A daemon thread on the driver: polls ``engines`` every ``poll_s`` and, when one has made no progress for
     ``watchdog_s``, prints our message, stores it in ``hung`` and calls ``stop_engine(engine)`` (``ray.kill``).
-    It fires once; a watchdog whose own calls fail (Ray shutting down) never stops the run. ``ask``, ``wait`` and
-    ``clock`` (Ray's calls and the time) are injectable for tests. ``watchdog_s`` 0 with a ``keeper``: no hang is
-    timed, only the restarts' deadline (``restart_timeout_s``: seconds, or None for :func:`restart_deadline`'s
-    auto)."""
+    It fires once; a watchdog whose own calls fail (Ray shutting down) never stops the run; a silent engine whose
+    actor Ray is restarting or has ended died and is not hung (:meth:`_died`). ``ask``, ``wait``, ``get``, ``state``
+    (:func:`actor_state`) and ``clock`` (Ray's calls and the time) are injectable for tests. ``watchdog_s`` 0 with a
+    ``keeper``: no hang is timed, only the restarts' deadline (``restart_timeout_s``: seconds, or None for
+    :func:`restart_deadline`'s auto)."""
 
     def __init__(
         self,
@@ -154,6 +175,7 @@ class EngineWatchdog:
         keeper: Any = None,
         restart_engine: Optional[Callable[[Any], None]] = None,
         restart_timeout_s: Optional[float] = None,
+        state: Optional[Callable[[Any], Optional[str]]] = None,
     ):
         import ray
 
@@ -169,6 +191,7 @@ class EngineWatchdog:
         self.ask = ask or (lambda engine: engine.watchdog_progress.remote())
         self.wait = wait or (lambda refs, timeout: ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
         self.get = get or ray.get
+        self.state = state or actor_state
         self.clocks = [EngineClock(i) for i in range(len(self.engines))]
         self.created = clock()  # the engines' creation (the watchdog starts right after it)
         self.first_starts: Dict[int, float] = {}  # engine -> seconds from creation to its first answer
@@ -263,6 +286,9 @@ class EngineWatchdog:
         due = [(s, c) for s, c in stalled if s >= self.watchdog_s]
         if not due or self.hung is not None:
             return None
+        due = [(s, c) for s, c in due if not self._died(c, now)]
+        if not due:
+            return None
         stalled_s, clock = max(due, key=lambda item: item[0])
         if self.keeper is not None and self.get(self.keeper.budget_left.remote()) > 0:
             cause = hang_cause(clock, stalled_s, self.watchdog_s, now)
@@ -275,6 +301,23 @@ class EngineWatchdog:
         self.out(f"engine watchdog: {self.hung}")
         self.stop_engine(self.engines[clock.index])
         return self.hung
+
+    def _died(self, clock: EngineClock, now: float) -> bool:
+        """Whether an engine due for a hang verdict died instead: it is silent and Ray says its actor is not alive.
+        ``RESTARTING``: its new instance is on its way (Ray holds the unanswered calls for it), to be replaced or,
+        past the budget, refused by the keeper, whose refusal names every failure; the keeper learns when the silence
+        began (the restart's deadline runs from it) and the engine is timed again from its new instance's first
+        answer. ``DEAD``: Ray's error reaches the controller and stops the run. An engine that answers without
+        progress, or that Ray says is alive (or whose state cannot be read), is left to its clock."""
+        if clock.silent_since is None:
+            return False
+        state = self.state(self.engines[clock.index])
+        if state not in ("RESTARTING", "DEAD"):
+            return False
+        if state == "RESTARTING" and self.keeper is not None:
+            self.get(self.keeper.died.remote(clock.index, max(0.0, now - clock.silent_since)))
+        self.clocks[clock.index] = EngineClock(clock.index)
+        return True
 
 
 def _actor_gone(exc: BaseException) -> bool:
