@@ -51,6 +51,7 @@ def test_calls_sent_again_are_counted_by_their_task_id_against_the_last_replacem
         "faults/engine_restarts": 1.0,
         "faults/restart_seconds": 5.0,
         "faults/prompts_requeued": 2.0,
+        "faults/restarts_failed": 0.0,
     }
     assert keeper.history()[0]["requeued"] == 2
 
@@ -125,6 +126,308 @@ def test_a_restart_that_fails_to_start_is_named_as_such():
     assert engine_keeper.history_text(keeper.history()).endswith("; not replaced: the restart failed")
 
 
+def test_a_restart_whose_instance_dies_during_its_start_is_closed_as_failed_and_the_engine_watched_again():
+    """Restart 1's new instance (pid 200) dies during its own start (a crash while loading): Ray starts pid 300,
+    whose hello closes restart 1 as failed. Only restart 2 is open (the watchdog times the engine again once it
+    rejoins), restart 1 used one of the run's 2 (as it used one of Ray's), and both are named in order."""
+    keeper = _keeper(2)
+    keeper.hello(0, 100, reconstructed=False)
+    keeper.hello(0, 200, reconstructed=True)
+    told = keeper.hello(0, 300, reconstructed=True)
+    assert told["allowed"] is True
+    assert keeper.restarting() == [0] and keeper.budget_left() == 0
+    keeper.rejoined(0, 300, 0, 20.0)
+    assert keeper.restarting() == []
+    assert keeper.metrics()["faults/restarts_failed"] == 1.0 and keeper.metrics()["faults/engine_restarts"] == 1.0
+    assert engine_keeper.history_text(keeper.history()) == (
+        "[1] engine 0 (pid 100): its actor process died (a signal, a crash, or the kernel's memory killer); not "
+        "replaced: its new instance (pid 200) died during its start, before it served; "
+        "[2] engine 0 (pid 200): its actor process died (a signal, a crash, or the kernel's memory killer); "
+        "replaced by pid 300 at weight version 0 in 20.0 s (0 request(s) sent again)"
+    )
+    assert keeper.hello(0, 400, reconstructed=True)["allowed"] is False  # the budget of 2 is used
+
+
+def test_a_restart_whose_start_raises_is_closed_once_and_leaves_nothing_open(monkeypatch):
+    """Our engine's ``__init__`` on a restart: its start raises (vLLM's free-memory check, say); the keeper is told
+    why before the error goes on (Ray then leaves the actor dead), and a second report changes nothing."""
+    import asyncio
+
+    from openrlhf_ess.trainer.ray.vllm_engine import RolloutRayActorImpl
+
+    keeper = _keeper(2)
+    keeper.hello(0, 100, reconstructed=False)
+    engine = object.__new__(RolloutRayActorImpl)
+
+    async def hello():
+        engine._keeper = RemoteHandleAsync(keeper)
+        return keeper.hello(0, 200, reconstructed=True)
+
+    async def start(*args, **kwargs):
+        raise ValueError("Free memory on device (30.1/79.1 GiB) is less than desired GPU memory utilization")
+
+    engine._hello_keeper, engine._start = hello, start
+    with pytest.raises(ValueError, match="Free memory on device"):
+        asyncio.run(RolloutRayActorImpl.__init__(engine, engine_index=0, replaceable=True))
+    assert keeper.restarting() == [] and keeper.overdue(0.0) == []
+    keeper.not_replaced(0, "a second report")
+    line = engine_keeper.history_text(keeper.history())
+    assert line.endswith(
+        "not replaced: its start failed (ValueError: Free memory on device (30.1/79.1 GiB) is less "
+        "than desired GPU memory utilization)"
+    ), line
+    assert keeper.metrics()["faults/restarts_failed"] == 1.0
+
+
+class RemoteHandleAsync:
+    """An actor handle as an async actor sees it: ``await handle.method.remote(...)`` runs the method at once."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        method = getattr(self._obj, name)
+
+        async def answered(*args, **kwargs):
+            return method(*args, **kwargs)
+
+        return types.SimpleNamespace(remote=answered)
+
+
+def test_the_keeper_remembers_a_bounded_number_of_task_ids_per_engine():
+    keeper = _keeper(1)
+    keeper.hello(0, 100, reconstructed=False)
+    for i in range(engine_keeper.SEEN_TASKS_PER_ENGINE + 10):
+        keeper.started(0, f"t{i}")
+    assert len(keeper.seen_tasks[0]) == engine_keeper.SEEN_TASKS_PER_ENGINE
+    keeper.hello(0, 101, reconstructed=True)
+    keeper.rejoined(0, 101, 0, 1.0)
+    keeper.started(0, "t9")  # forgotten (among the 10 oldest): a new call
+    keeper.started(0, f"t{engine_keeper.SEEN_TASKS_PER_ENGINE + 9}")  # the newest: sent again
+    assert keeper.metrics()["faults/prompts_requeued"] == 1.0
+
+
+# ---------------------------------------------------------------- every restart has a deadline
+
+
+def _clocked_keeper(n=2):
+    now = [0.0]
+    keeper = engine_keeper.EngineKeeperImpl(n, clock=lambda: now[0])
+    keeper.hello(0, 100, reconstructed=False)
+    keeper.hello(1, 101, reconstructed=False)
+    return keeper, now
+
+
+def test_a_restart_is_due_from_the_kill_until_it_rejoins_and_says_what_it_waits_for():
+    keeper, now = _clocked_keeper()
+    now[0] = 1000.0
+    keeper.stopping(1, "the vLLM engine 1 (RolloutRayActorImpl, pid 101) hung: it had 2 request(s) in flight")
+    now[0] = 1299.0
+    assert keeper.overdue(300.0) == []
+    now[0] = 1300.0
+    [due] = keeper.overdue(300.0)
+    assert due["engine"] == 1 and due["waited"] == 300.0 and due["cause"].startswith("the vLLM engine 1 (")
+    assert due["waiting"] == engine_keeper.WAITING_FOR_PLACEMENT  # Ray never started its new instance
+    now[0] = 1310.0
+    keeper.hello(1, 201, reconstructed=True)  # the deadline still runs from the kill, not from this start
+    now[0] = 1350.0
+    [due] = keeper.overdue(300.0)
+    assert due["waited"] == 350.0
+    assert due["waiting"].startswith("its new instance (pid 201, started 40 s ago) to serve: vLLM's start-up")
+    keeper.rejoined(1, 201, 0, 45.0)
+    assert keeper.overdue(0.0) == []
+
+
+def test_an_unannounced_death_is_due_from_its_new_instances_hello():
+    keeper, now = _clocked_keeper()
+    now[0] = 50.0
+    keeper.hello(0, 200, reconstructed=True)  # SIGKILLed: nobody told the keeper before Ray restarted it
+    now[0] = 149.0
+    assert keeper.overdue(100.0) == []
+    now[0] = 150.0
+    [due] = keeper.overdue(100.0)
+    assert (due["engine"], due["cause"], due["waited"]) == (0, None, 100.0)
+    message = engine_keeper.overdue_message(due, 100.0)
+    assert message.startswith(
+        "vLLM engine 0 was not back 100 s after it went down, past --vllm.restart_timeout_s 100: its actor process "
+        "died (a signal, a crash, the kernel's memory killer, or its node); the run waited for its new instance "
+        "(pid 200, started 100 s ago) to serve"
+    ), message
+
+
+def test_a_death_the_watchdog_found_is_due_from_the_silence_and_a_known_restart_is_not_reported_again():
+    keeper, now = _clocked_keeper(1)
+    now[0] = 110.0
+    keeper.died(0, 10.0)  # silent since t=100, Ray restarting the actor: its new instance has not said hello
+    now[0] = 399.0
+    assert keeper.overdue(300.0) == []
+    now[0] = 400.0
+    [due] = keeper.overdue(300.0)
+    assert (due["engine"], due["cause"], due["waited"]) == (0, None, 300.0)
+    assert due["waiting"] == engine_keeper.WAITING_FOR_PLACEMENT  # Ray never started its new instance
+    keeper.hello(0, 200, reconstructed=True)  # its first word: the deadline still runs from the silence
+    assert keeper.down[0]["since"] == 100.0 and keeper.down[0]["pid"] == 200
+    now[0] = 420.0
+    keeper.rejoined(0, 200, 0, 20.0)
+    keeper.died(0, 25.0)  # a report of the same death that reaches the keeper after the restart said hello (t=400)
+    assert keeper.down == {} and keeper.overdue(0.0) == []
+    now[0] = 500.0
+    keeper.died(1, 5.0)  # engine 1 dies past the budget of 1: reported, then its new instance is refused
+    assert keeper.down == {1: {"since": 495.0, "cause": None}}
+    assert keeper.hello(1, 201, reconstructed=True)["allowed"] is False
+    keeper.died(1, 8.0)  # late: the refusal is known
+    assert keeper.down == {} and keeper.overdue(0.0) == []
+
+
+def test_the_auto_deadline_is_three_first_starts_and_at_least_the_floor():
+    assert engine_watchdog.restart_deadline(90.0, [500.0]) == 90.0  # given: as given
+    assert engine_watchdog.restart_deadline(None, []) == 300.0  # nothing measured yet: the floor
+    assert engine_watchdog.restart_deadline(None, [20.0, 50.0]) == 300.0  # 3 x 50 = 150 < 300
+    assert engine_watchdog.restart_deadline(None, [20.0, 130.0]) == 390.0  # 3 x the slowest
+
+
+def test_the_watchdog_stops_the_run_when_a_restart_misses_its_deadline():
+    """One engine: first answer at 1 s (its first start: 1 s, so the auto deadline is the 300 s floor), then hung
+    with a request in flight; killed for a restart at the 10 s bound; its new instance is never placed (no hello, no
+    answer). The watchdog waits for it until 300 s after the kill, then stops it for good, naming it."""
+    now = [0.0]
+    keeper = engine_keeper.EngineKeeperImpl(1, clock=lambda: now[0])
+    keeper.hello(0, 7, reconstructed=False)
+    from tests.helpers.one_rank import RemoteHandle
+
+    killed, stopped, out = [], [], []
+
+    def wait(refs, timeout):  # after the kill nothing answers: each wait lasts its whole slice
+        if not killed:
+            return list(refs)
+        now[0] += timeout
+        return []
+
+    dog = engine_watchdog.EngineWatchdog(
+        ["engine-0"],
+        watchdog_s=10.0,
+        poll_s=1.0,
+        out=out.append,
+        stop_engine=stopped.append,
+        restart_engine=killed.append,
+        ask=lambda engine: ("ask", engine),
+        wait=lambda refs, timeout: wait(refs, timeout),
+        get=lambda ref: {"pid": 7, "tokens": {"r1": 3}} if isinstance(ref, tuple) else ref,
+        clock=lambda: now[0],
+        keeper=RemoteHandle(keeper),
+    )
+    for t in range(1, 12):
+        now[0] = float(t)
+        dog.tick()
+    assert killed == ["engine-0"] and dog.first_starts == {0: 1.0} and dog.deadline() == 300.0
+    kill_at = keeper.down[0]["since"]
+    message = None
+    while message is None:  # each look waits its 1 s for the silent engine
+        assert now[0] < kill_at + 302, "the deadline passed without a verdict"
+        message = dog.tick()
+        assert message is None or now[0] >= kill_at + 300, f"stopped {now[0] - kill_at} s after the kill"
+    assert stopped == ["engine-0"] and message == dog.hung
+    assert message.startswith(
+        "vLLM engine 0 was not back 300 s after it went down, past --vllm.restart_timeout_s 300: the vLLM engine 0 "
+        "(RolloutRayActorImpl, pid 7) hung: it had 1 request(s) in flight"
+    ), message
+    assert "the run waited for Ray to place and start its new instance" in message
+
+
+# ---------------------------------------------------------------- every engine call turns a dead core into a restart
+
+# The engine calls that can be the first to meet a dead engine core (the controller's, the weight sync's, the sync
+# check's), written out here, not read from the package.
+CALLS = {
+    "generate_responses": ("prompt", "label", types.SimpleNamespace(logprobs=None, extra_args=None), 64, None),
+    "pause_generation": (),
+    "resume_generation": (),
+    "init_process_group": ("127.0.0.1", 1234, 1, 3, "openrlhf", "nccl", False),
+    "update_weight": ("w", "bfloat16", [2, 2]),
+    "update_weight_cuda_ipc": ("w", "bfloat16", [2, 2], None),
+    "reset_prefix_cache": (),
+    "prompt_log_probs": ([1, 2, 3],),
+    "weight_checksums": (),
+    "stage_weights_from_safetensors": (b"",),
+    "load_weights_from_safetensors": (b"",),
+    "load_weights_from_refs": ([], False, 3),
+}
+
+
+class _DeadCore:
+    """vLLM's AsyncLLM after its engine core died: ``errored``, and every call into it raises (awaited or
+    iterated)."""
+
+    errored = True
+
+    def __getattr__(self, name):
+        return _DeadCore()
+
+    def __call__(self, *args, **kwargs):
+        return _DeadCall()
+
+
+class _DeadCall:
+    def __await__(self):
+        raise RuntimeError("EngineDeadError: EngineCore encountered an issue")
+        yield  # a generator: awaiting it raises
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise RuntimeError("EngineDeadError: EngineCore encountered an issue")
+
+
+class _Exited(BaseException):
+    pass
+
+
+def _dead_engine(monkeypatch, replaceable):
+    from openrlhf_ess.trainer.ray import vllm_engine
+
+    engine = object.__new__(vllm_engine.RolloutRayActorImpl)
+    engine.engine_index, engine.weight_version, engine._inflight = 0, 0, {}
+    engine.force_logprobs = engine.report_kept_counts = False
+    engine.llm = _DeadCore()
+    engine._untracked_generate = _DeadCore()
+    engine.executor = _DeadCore()
+    told = []
+    engine._keeper = (
+        types.SimpleNamespace(
+            stopping=types.SimpleNamespace(remote=lambda i, cause: told.append((i, cause))),
+            started=types.SimpleNamespace(remote=lambda i, task: None),
+        )
+        if replaceable
+        else None
+    )
+    fake_ray = types.SimpleNamespace(
+        get=lambda ref, timeout=None: ref, get_runtime_context=lambda: types.SimpleNamespace(get_task_id=lambda: "t")
+    )
+    monkeypatch.setattr(vllm_engine, "ray", fake_ray)
+
+    def exit_(code):
+        raise _Exited(code)
+
+    monkeypatch.setattr(vllm_engine.os, "_exit", exit_)
+    return engine, told
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_every_engine_call_that_meets_a_dead_core_ends_the_actor_for_a_replacement(monkeypatch, name):
+    import asyncio
+
+    engine, told = _dead_engine(monkeypatch, replaceable=True)
+    with pytest.raises(_Exited):
+        asyncio.run(getattr(engine, name)(*CALLS[name]))
+    assert told == [(0, "its vLLM engine core died (RuntimeError)")]
+
+    engine, told = _dead_engine(monkeypatch, replaceable=False)  # replacement off: the caller gets the error
+    with pytest.raises(RuntimeError, match="EngineDeadError"):
+        asyncio.run(getattr(engine, name)(*CALLS[name]))
+    assert told == []
+
+
 # ---------------------------------------------------------------- pre-flight
 
 
@@ -133,7 +436,11 @@ def _args(**over):
     vllm.update(over.pop("vllm", {}))
     algo = dict(prox_mode="recompute")
     algo.update(over.pop("algo", {}))
-    return types.SimpleNamespace(vllm=types.SimpleNamespace(**vllm), algo=types.SimpleNamespace(**algo))
+    train = dict(colocate_all=False)
+    train.update(over.pop("train", {}))
+    return types.SimpleNamespace(
+        vllm=types.SimpleNamespace(**vllm), algo=types.SimpleNamespace(**algo), train=types.SimpleNamespace(**train)
+    )
 
 
 @pytest.mark.parametrize(
@@ -145,6 +452,9 @@ def _args(**over):
         ({"algo": {"prox_mode": "dedicated"}}, "a dead engine's streams die with it"),
         ({"vllm": {"enable_sleep": True}}, "Drop --vllm.enable_sleep, or --vllm.max_restarts 0"),
         ({"vllm": {"sync_check_tol": 0.0}}, "Leave --vllm.sync_check_tol at its default, or --vllm.max_restarts 0"),
+        ({"train": {"colocate_all": True}}, "Drop --train.colocate_all (engines on GPUs of their own), or --vllm."),
+        ({"vllm": {"sync_backend": "nccl", "watchdog_s": 0.0}}, "Give --vllm.watchdog_s seconds (default 600), or"),
+        ({"vllm": {"sync_backend": "gloo", "watchdog_s": 0.0}}, "turns off the bound that ends that wait"),
     ],
 )
 def test_replacement_outside_what_it_is_built_for_is_refused_naming_the_flag(over, named):
@@ -155,6 +465,9 @@ def test_replacement_outside_what_it_is_built_for_is_refused_naming_the_flag(ove
     _validate_replacement(_args())  # reload, check on: accepted (sync or async: the flag is not read)
     _validate_replacement(_args(algo={"prox_mode": "snapshot"}))
     _validate_replacement(_args(vllm={"max_restarts": 0, "sync_backend": "nccl"}))  # off: nothing to check
+    _validate_replacement(_args(vllm={"watchdog_s": 0.0}))  # reload: no collective to wait in
+    _validate_replacement(_args(vllm={"max_restarts": 0, "watchdog_s": 0.0, "sync_backend": "nccl"}))
+    _validate_replacement(_args(vllm={"max_restarts": 0}, train={"colocate_all": True}))
 
 
 def test_the_flag_defaults_to_upstreams_fail_fast():
@@ -164,9 +477,37 @@ def test_the_flag_defaults_to_upstreams_fail_fast():
     assert action.default == 0
 
 
-def test_replacement_keeps_one_model_copy_on_rank_0s_host():
-    """Rank 0's stated peak (checks/resources.py): with replacement the whole set stays in the object store, M + 3
-    messages, instead of a message being built (3) plus Ray's copy per engine (E); a 10 GiB model, 2 engines."""
+def test_the_restart_deadline_flag_takes_auto_or_seconds():
+    import argparse
+
+    from openrlhf_ess.cli.train_ppo_ray import build_parser
+    from openrlhf_ess.config.flags import restart_timeout
+
+    action = next(a for a in build_parser()._actions if a.dest == "vllm.restart_timeout_s")
+    assert action.default == "auto" and restart_timeout("auto") is None and restart_timeout("900") == 900.0
+    for bad in ("0", "-5", "inf", "nan", "soon"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected seconds > 0 or 'auto'"):
+            restart_timeout(bad)
+
+
+def test_pre_flight_warns_a_joined_cluster_about_tp_restarts():
+    from openrlhf_ess.checks.preflight.flags import _check_replacement_cluster
+
+    def notices(address, tp=2, n=1):
+        out = []
+        args = types.SimpleNamespace(vllm=types.SimpleNamespace(max_restarts=n, tensor_parallel_size=tp))
+        _check_replacement_cluster(args, out, address)
+        return out
+
+    [line] = notices("10.0.0.1:6379")
+    assert "RAY_process_group_cleanup_enabled=true" in line and "--vllm.tensor_parallel_size 2" in line
+    assert notices(None) == [] and notices("10.0.0.1:6379", tp=1) == [] and notices("10.0.0.1:6379", n=0) == []
+
+
+def test_replacement_keeps_up_to_two_model_copies_on_rank_0s_host():
+    """Rank 0's stated peak (checks/resources.py): with replacement the whole set stays in the object store, and a
+    sync puts the new set before the keeper lets the last go: 2 M + 3 messages, instead of a message being built (3)
+    plus Ray's copy per engine (E); a 10 GiB model, 2 engines."""
     from openrlhf_ess.checks.resources import host_memory_needs
     from openrlhf_ess.trainer.ray.vllm_worker_wrap import RELOAD_MESSAGE_BYTES
 
@@ -180,7 +521,7 @@ def test_replacement_keeps_one_model_copy_on_rank_0s_host():
         )
         return host_memory_needs(args, model)["actor rank 0 (--vllm.sync_backend reload)"]
 
-    assert need(0) == 5 * m and need(2) == model + 3 * m
+    assert need(0) == 5 * m and need(2) == 2 * model + 3 * m
 
 
 # ---------------------------------------------------------------- the watchdog restarts a hung engine
@@ -199,6 +540,7 @@ class _FakeKeeper:
         self.budget_left = _Call(lambda: self.budget)
         self.stopping = _Call(lambda index, cause: self.causes.append((index, cause)))
         self.restarting = _Call(lambda: list(self.restarting_now))
+        self.overdue = _Call(lambda timeout_s: [])
 
 
 def _stalled_watchdog(keeper, restarted, stopped):

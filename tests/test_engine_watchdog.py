@@ -3,6 +3,7 @@ on made-up answers, the driver thread's decision with fake Ray calls, the flag; 
 vLLM processes are SIGSTOPped mid-rollout stops the run, named, with no process left."""
 
 import os
+import types
 
 import pytest
 
@@ -184,6 +185,233 @@ def test_watchdog_zero_watches_nothing():
     created = WatchedEngines(lambda: ["e"], 0.0)
     assert created() == ["e"] and created.watchdog is None and created.hung is None
     created.stop()
+
+
+# ---------------------------------------------------------------- paused for a weight sync is not hung
+
+
+def test_a_paused_engine_is_not_timed_and_is_timed_again_from_its_resume():
+    clock = EngineClock(0)
+    clock.answer(0.0, {"pid": 7, "tokens": {"a": 4}, "paused": False})
+    clock.answer(5.0, {"pid": 7, "tokens": {"a": 4}, "paused": True})  # paused with a request in flight
+    assert clock.stalled_for(900.0) == 0.0
+    clock.answer(900.0, {"pid": 7, "tokens": {"a": 4}, "paused": False})  # resumed: its stretch starts here
+    assert clock.stalled_for(903.0) == 3.0
+
+
+def test_a_sync_longer_than_the_bound_with_requests_paused_across_it_is_not_a_hang():
+    """Partial rollouts: the engine streams, is paused at t=20 for a weight sync that lasts 95 s (3x the 30 s
+    bound: a large model's gather, kept set, regroup and broadcast), then resumes and streams again. Nothing is
+    stopped. The same silence without the pause mark is a hang at the bound (the test can fail)."""
+    for paused, fires_at in ((True, None), (False, 50.0)):
+        fake = _Fake()
+        dog = fake.watchdog(watchdog_s=30.0)
+        fired = None
+        for t in range(0, 160, 3):
+            fake.now = float(t)
+            streamed = t if t < 20 else (20 if t < 115 else t - 95)
+            in_sync = 20 <= t < 115
+            fake.answers[0] = {"pid": 100, "tokens": {"r1": streamed, "r2": 1}, "paused": paused and in_sync}
+            if dog.tick() is not None and fired is None:
+                fired = float(t)
+        if fires_at is None:
+            assert fired is None and fake.stopped == [] and dog.hung is None
+        else:
+            assert fired is not None and 50.0 <= fired <= 53.0 and fake.stopped == ["engine0"], fired
+
+
+def _engine_with(llm):
+    from openrlhf_ess.trainer.ray import vllm_engine
+
+    engine = object.__new__(vllm_engine.RolloutRayActorImpl)
+    engine.llm, engine._keeper, engine.engine_index = llm, None, 0
+    return engine
+
+
+def test_the_engine_marks_itself_paused_from_pause_to_resume_for_the_watchdog():
+    """Our engine actor between upstream's pause_generation and resume_generation (vLLM's own calls stand-ins):
+    watchdog_progress says paused, with its requests in flight; after the resume it does not."""
+    import asyncio
+    import types
+
+    calls = []
+
+    class State:
+        detokenizer = types.SimpleNamespace(num_output_tokens=lambda: 6)
+
+    class LLM:
+        errored = False
+        output_processor = types.SimpleNamespace(request_states={"r1": State()})
+
+        async def pause_generation(self, mode):
+            calls.append(("pause", mode))
+
+        async def resume_generation(self):
+            calls.append("resume")
+
+    engine = _engine_with(LLM())
+
+    async def sync():
+        seen = [await engine.watchdog_progress()]
+        await engine.pause_generation()
+        seen.append(await engine.watchdog_progress())
+        await engine.resume_generation()
+        seen.append(await engine.watchdog_progress())
+        return seen
+
+    before, during, after = asyncio.run(sync())
+    assert calls == [("pause", "keep"), "resume"]
+    assert [p["paused"] for p in (before, during, after)] == [False, True, False]
+    assert during["tokens"] == {"r1": 6} and during["pid"] == os.getpid()
+
+
+def test_the_watchdogs_calls_run_in_the_engines_own_concurrency_group():
+    """Declared on the actor class (a group of its own) and on the two methods the watchdog and a regroup call, so
+    that they never queue behind up to 1,000 generation calls in the default group."""
+    from openrlhf_ess.trainer.ray import vllm_engine
+
+    groups = vllm_engine.RolloutRayActor._default_options["concurrency_groups"]
+    assert set(groups) == {"watch"} and groups["watch"] >= 1
+    impl = vllm_engine.RolloutRayActorImpl
+    assert impl.watchdog_progress.__ray_concurrency_group__ == "watch"
+    assert impl.held_weight_version.__ray_concurrency_group__ == "watch"
+    assert not hasattr(impl.generate_responses, "__ray_concurrency_group__")  # the default group
+
+
+def test_with_replacement_on_and_watchdog_zero_only_the_restart_deadline_is_kept():
+    """--vllm.watchdog_s 0 with a keeper: the thread runs (every restart's deadline) but times no hang."""
+    fake = _Fake()
+    dog = EngineWatchdog(
+        fake.engines,
+        0.0,
+        poll_s=3.0,
+        out=fake.out.append,
+        stop_engine=fake.stopped.append,
+        ask=lambda engine: [fake.engines.index(engine)],
+        wait=fake._wait,
+        get=lambda ref: fake._get(ref) if isinstance(ref, list) and ref else ref,  # the keeper answers []
+        clock=lambda: fake.now,
+        keeper=_NoRestarts(),
+    )
+    fake.answers[0] = {"pid": 100, "tokens": {"r1": 3}}
+    for t in range(0, 2000, 100):
+        fake.now = float(t)
+        assert dog.tick() is None
+    assert fake.stopped == []
+
+
+class _NoRestarts:
+    """A keeper handle with nothing down or restarting."""
+
+    overdue = type("_", (), {"remote": staticmethod(lambda timeout_s: [])})
+    restarting = type("_", (), {"remote": staticmethod(lambda: [])})
+
+
+# ---------------------------------------------------------------- a dead engine is not a hung one
+
+
+def _killed_past_the_budget(ray_says):
+    """One engine, replaced once already (``--vllm.max_restarts 1``: the budget is used), streaming a token at each
+    look with a request in flight; at t=5 its actor process is SIGKILLed: its calls go unanswered from then (Ray
+    holds them for a new instance) and Ray reports its actor as ``ray_says``. The keeper is the real one (its class,
+    no Ray), on the test's clock."""
+    from ray.exceptions import ActorDiedError
+
+    from openrlhf_ess.trainer.ray.engine_keeper import EngineKeeperImpl
+    from tests.helpers.one_rank import RemoteHandle
+
+    world = types.SimpleNamespace(now=0.0, killed=False, dead=False, state="ALIVE", streamed=0)
+    world.stopped, world.restarted, world.out = [], [], []
+    keeper = EngineKeeperImpl(1, clock=lambda: world.now)
+    keeper.hello(0, 100, reconstructed=False)
+    keeper.stopping(0, "the vLLM engine 0 (RolloutRayActorImpl, pid 100) hung: it had 2 request(s) in flight")
+    keeper.hello(0, 200, reconstructed=True)
+    keeper.rejoined(0, 200, 1, 12.0)
+
+    def wait(refs, timeout):
+        if world.dead:
+            return list(refs)  # a dead actor's calls fail at once
+        if world.killed:
+            world.now += timeout  # unanswered: each wait lasts its whole slice
+            return []
+        return list(refs)
+
+    def get(ref):
+        if not isinstance(ref, tuple):
+            return ref  # the keeper's answer (RemoteHandle ran the call)
+        if world.dead:
+            raise ActorDiedError()
+        world.streamed += 1
+        return {"pid": 200, "tokens": {"r1": world.streamed}}
+
+    dog = EngineWatchdog(
+        ["engine-0"],
+        watchdog_s=10.0,
+        poll_s=1.0,
+        out=world.out.append,
+        stop_engine=world.stopped.append,
+        restart_engine=world.restarted.append,
+        ask=lambda engine: ("ask", engine),
+        wait=wait,
+        get=get,
+        clock=lambda: world.now,
+        keeper=RemoteHandle(keeper),
+        state=lambda engine: world.state,
+    )
+    for t in range(5):
+        world.now = float(t)
+        assert dog.tick() is None
+    world.now, world.killed, world.state = 5.0, True, ray_says
+    return dog, keeper, world
+
+
+def test_a_killed_engine_that_ray_restarts_past_the_budget_is_named_dead_not_hung():
+    """Its silence passes --vllm.watchdog_s long before its new instance reaches the keeper (a process start and
+    vLLM's imports), but Ray is restarting the actor: that is a death, whose refused restart the keeper names with
+    every failure in order, not a hang. The keeper's deadline runs from the silence. The same silence while Ray
+    says the actor is alive (its own process stopped) is a hang at the bound."""
+    dog, keeper, world = _killed_past_the_budget("RESTARTING")
+    while world.now < 40.0:  # each look waits its 1 s for the silent engine
+        assert dog.tick() is None
+    assert dog.hung is None and world.stopped == [] and world.restarted == [] and world.out == []
+    assert keeper.down == {0: {"since": 5.0, "cause": None}}  # the unanswered call was sent at t=5
+    told = keeper.hello(0, 300, reconstructed=True)  # the new instance's first word: past the budget
+    assert told["allowed"] is False and keeper.down == {}
+    world.dead, world.state = True, "DEAD"  # its __init__ raised: Ray ends the actor and fails its calls
+    for t in range(41, 60):
+        world.now = float(t)
+        assert dog.tick() is None
+    assert dog.hung is None and world.stopped == [] and world.out == []
+    assert told["history"] == (
+        "[1] engine 0 (pid 100): the vLLM engine 0 (RolloutRayActorImpl, pid 100) hung: it had 2 request(s) in "
+        "flight; replaced by pid 200 at weight version 1 in 12.0 s (0 request(s) sent again); "
+        "[2] engine 0 (pid 200): its actor process died (a signal, a crash, or the kernel's memory killer); not "
+        "replaced: --vllm.max_restarts 1 restart(s) already used"
+    )
+
+    dog, keeper, world = _killed_past_the_budget("ALIVE")
+    while dog.hung is None:
+        assert world.now < 16.0, "the stopped engine was not found hung"
+        dog.tick()
+    # its last progress at t=4: due at 14, silent since the call sent at t=5
+    assert world.now == 14.0 and world.stopped == ["engine-0"] and world.restarted == []
+    assert dog.hung.startswith(
+        "the vLLM engine 0 (RolloutRayActorImpl, pid 200) hung: it has not answered the watchdog for 9 s"
+    ), dog.hung
+    assert keeper.down == {}
+
+
+def test_an_engine_whose_actor_state_cannot_be_read_is_judged_by_its_clock():
+    """No Ray answer about the actor (the default reader's failure, or an engine that is not an actor handle): the
+    silence is a hang at the bound, as without the state."""
+    from openrlhf_ess.trainer.ray.engine_watchdog import actor_state
+
+    assert actor_state("engine0") is None
+    dog, keeper, world = _killed_past_the_budget(None)
+    while dog.hung is None:
+        assert world.now < 16.0
+        dog.tick()
+    assert world.stopped == ["engine-0"] and "has not answered the watchdog" in dog.hung
 
 
 # ---------------------------------------------------------------- the flag

@@ -104,7 +104,7 @@ def test_checkpoints_go_under_the_output_dir_and_another_runs_are_never_rotated(
     args, _ = cli.parse_args(argv)
     own = str(tmp_path / "run" / "ckpt" / "checkpoints_ppo_ray")  # <--ckpt.output_dir>/checkpoints_ppo_ray
     assert args.ckpt.path == own
-    assert ("--ckpt.path", own) in run_lock.lock_dirs(args)  # the run lock covers it
+    assert ("--ckpt.path", own) in run_lock.lock_dirs(args, saves_best=True)  # the run lock covers it
     notices = preflight.check(args)
     (line,) = [n for n in notices if n.startswith("outputs: ")]
     assert f"the trained model, at the end of the run -> {tmp_path / 'run' / 'ckpt'} (--ckpt.output_dir)" in line

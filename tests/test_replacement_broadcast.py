@@ -5,11 +5,12 @@ the start-up probe of a re-formed group.
 Why stand-ins: upstream's broadcast needs vLLM's ``PyNcclCommunicator`` on both sides, and vLLM's CPU build has none
 (the CLI resolves ``nccl`` to ``reload`` on CPU and refuses ``gloo``); its per-tensor ``load_weights`` is refused by
 vLLM's CPU linears too. So the trainer here is our ``ActorPPOTrainer`` (its real ``broadcast_to_vllm`` and a real
-``WeightSync``) around a tiny torch model, with upstream's broadcast replaced by :func:`_broadcast`, which sends
-every parameter through the trainer's current :class:`StandInGroup` to the engines in it, as upstream's per-tensor
-loop does; the keeper is the real ``EngineKeeperImpl`` behind a handle that calls it at once. What only a GPU can
-tell (the abort of a communicator with a dead peer, a second rendezvous, the bytes through NCCL) is what the start-up
-probe proves on the user's cluster (``WeightSync.startup_regroup_probe``), whose logic is tested here.
+``WeightSync`` with its ``ReplacementSync``, ``trainer/replacement_sync.py``) around a tiny torch model, with
+upstream's broadcast replaced by :func:`_broadcast`, which sends every parameter through the trainer's current
+:class:`StandInGroup` to the engines in it, as upstream's per-tensor loop does; the keeper is the real
+``EngineKeeperImpl`` behind a handle that calls it at once. What only a GPU can tell (a second rendezvous, the bytes
+through NCCL) the start-up probe does on the user's cluster (``ReplacementSync.startup_regroup_probe``), whose logic
+is tested here; the abort of a communicator with a dead peer neither shows.
 """
 
 import threading
@@ -26,7 +27,7 @@ cpu_compat.apply()
 from openrlhf.trainer.ray import ppo_actor as upstream_actor  # noqa: E402
 from safetensors.torch import load as load_safetensors  # noqa: E402
 
-from openrlhf_ess.trainer import weight_sync  # noqa: E402
+from openrlhf_ess.trainer import replacement_sync, weight_sync  # noqa: E402
 from openrlhf_ess.trainer.ray import engine_keeper  # noqa: E402
 from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer  # noqa: E402
 from tests.helpers.one_rank import DeepSpeedLike, RemoteHandle, TinyLM, gloo_single_process  # noqa: E402
@@ -150,7 +151,8 @@ def make_trainer(monkeypatch, *, max_restarts=2, cuda_ipc=False, watchdog_s=0.0)
     keeper.put_weights = put_weights
     monkeypatch.setattr(engine_keeper, "find", lambda: RemoteHandle(keeper))
     monkeypatch.setattr(weight_sync, "ray", FakeRay)
-    monkeypatch.setattr(weight_sync, "RESTART_POLL_S", 0.01)
+    monkeypatch.setattr(replacement_sync, "ray", FakeRay)
+    monkeypatch.setattr(replacement_sync, "RESTART_POLL_S", 0.01)
     monkeypatch.setattr(upstream_actor.ActorPPOTrainer, "_init_vllm_sync_group", _init_vllm_sync_group)
     monkeypatch.setattr(upstream_actor.ActorPPOTrainer, "broadcast_to_vllm", _broadcast)
     monkeypatch.setattr(
@@ -259,13 +261,13 @@ def test_a_broadcast_left_waiting_by_a_dead_member_ends_the_rank_after_the_grace
         exits.append(code)
         released.set()
 
-    monkeypatch.setattr(weight_sync.os, "_exit", exit_)
+    monkeypatch.setattr(replacement_sync.os, "_exit", exit_)
     trainer = make_trainer(monkeypatch, watchdog_s=0.2)
 
     def waits(self):
         self.keeper_impl.hello(1, 301, reconstructed=True)
         assert released.wait(timeout=30), "the rank was not ended"
-        threading.Event().wait(10 * weight_sync.RESTART_POLL_S)  # a watcher that went on would fire again here
+        threading.Event().wait(10 * replacement_sync.RESTART_POLL_S)  # a watcher that went on would fire again here
 
     monkeypatch.setattr(upstream_actor.ActorPPOTrainer, "broadcast_to_vllm", waits)
     trainer.broadcast_to_vllm()
@@ -331,7 +333,7 @@ def test_the_start_up_probe_forms_the_group_again_and_names_a_worker_that_got_ot
     assert first.destroyed and trainer.groups_formed == 2
     assert line.startswith("replacement: the weight sync group formed a second time with 2 engine(s)"), line
     sent = trainer._model_update_group.sent[-1]
-    assert sent.dtype == torch.float32 and sent.numel() == weight_sync.REGROUP_PROBE_VALUES
+    assert sent.dtype == torch.float32 and sent.numel() == replacement_sync.REGROUP_PROBE_VALUES
 
     trainer.engines[1].flip_probe_bit = True
     with pytest.raises(
@@ -381,8 +383,9 @@ def test_pre_flight_takes_nccl_and_refuses_a_ray_collective_group():
 
 
 def test_rank_0s_host_holds_the_kept_set_beside_the_broadcast():
-    """Pre-flight's host-memory needs with NCCL and replacement: M + 3 messages on rank 0 (the set kept), and a
-    restarted engine's workers staging it as a reload does: TP·(M + 2m) + 2m; none of it without replacement."""
+    """Pre-flight's host-memory needs with NCCL and replacement: 2 M + 3 messages on rank 0 (the set kept, and the
+    next sync's set put before the keeper lets it go), and a restarted engine's workers staging it as a reload does:
+    TP·(M + 2m) + 2m; none of it without replacement."""
     from openrlhf_ess.checks.resources import host_memory_needs
     from openrlhf_ess.trainer.ray.vllm_worker_wrap import RELOAD_MESSAGE_BYTES
 
@@ -398,6 +401,6 @@ def test_rank_0s_host_holds_the_kept_set_beside_the_broadcast():
 
     assert needs(0) == {}
     assert needs(1) == {
-        "actor rank 0 (--vllm.max_restarts: the weights kept for a restarted engine)": model + 3 * m,
+        "actor rank 0 (--vllm.max_restarts: the weights kept for a restarted engine)": 2 * model + 3 * m,
         "a restarted vLLM engine with its 2 worker(s) (--vllm.max_restarts)": 2 * (model + 2 * m) + 2 * m,
     }

@@ -204,6 +204,29 @@ def test_lock_dirs(tmp_path):
     assert run_lock.lock_dirs(_args(tmp_path, save_steps=5, ckpt_path=str(tmp_path / "out" / "."))) == [out]
 
 
+def test_lock_dirs_takes_the_best_checkpoint_decision_from_its_caller(tmp_path):
+    """A run that saves only a best checkpoint at its evals owns --ckpt.path too; the lock is told so (it reads no
+    flag predicate of its own: runtime/ imports nothing from config/)."""
+    import ast
+    import inspect
+
+    out = ("--ckpt.output_dir", str(tmp_path / "out"))
+    ckpts = ("--ckpt.path", str(tmp_path / "ckpts"))
+    assert run_lock.lock_dirs(_args(tmp_path), saves_best=True) == [out, ckpts]
+    assert run_lock.lock_dirs(_args(tmp_path), saves_best=False) == [out]
+    imported = [
+        node.module or ""
+        for node in ast.walk(ast.parse(inspect.getsource(run_lock)))
+        if isinstance(node, ast.ImportFrom)
+    ] + [
+        alias.name
+        for node in ast.walk(ast.parse(inspect.getsource(run_lock)))
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert "config" not in imported and not any(m.startswith("openrlhf_ess.config") for m in imported)
+
+
 def _cli_script(argv):
     """The real CLI (parse, pre-flight, lock) with upstream's train() replaced by a wait: no Ray starts."""
     return (

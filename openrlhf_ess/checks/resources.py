@@ -304,9 +304,10 @@ def host_memory_needs(args: types.SimpleNamespace, model: int) -> Dict[str, int]
       CPU copy and the messages: 2·M), and the scorer's received messages and parsed copy (2·M);
     - ``--vllm.max_restarts`` > 0 (engine replacement, ``trainer/ray/engine_keeper.py``): rank 0 puts each message
       in Ray's object store once, for every engine and a restarted one, and the set stays there until the next sync
-      replaces it: M + 3·m on rank 0's node instead of (3 + E)·m. With the NCCL/gloo broadcast the same set is kept
-      beside it (M + 3·m on rank 0's node), and a restarted engine loads it as a reload does (TP·(M + 2·m) + 2·m on
-      its node).
+      replaces it. The next sync puts its whole set before the keeper lets the last one go (a restart meanwhile
+      still needs one), so both are there at its peak: 2·M + 3·m on rank 0's node instead of (3 + E)·m. With the
+      NCCL/gloo broadcast the same sets are kept beside it (2·M + 3·m on rank 0's node), and a restarted engine
+      loads one as a reload does (TP·(M + 2·m) + 2·m on its node).
     """
     from openrlhf_ess.trainer.ray.vllm_worker_wrap import RELOAD_MESSAGE_BYTES
 
@@ -318,10 +319,12 @@ def host_memory_needs(args: types.SimpleNamespace, model: int) -> Dict[str, int]
     engine_load = tp * (model + 2 * message) + 2 * message  # an engine's workers staging a whole set
     if reload:
         engines = int(args.vllm.num_engines)
-        needs["actor rank 0 (--vllm.sync_backend reload)"] = model + 3 * message if kept else (3 + engines) * message
+        needs["actor rank 0 (--vllm.sync_backend reload)"] = (
+            2 * model + 3 * message if kept else (3 + engines) * message
+        )
         needs[f"each vLLM engine with its {tp} worker(s) (--vllm.sync_backend reload)"] = engine_load
     elif kept:  # NCCL/gloo broadcast
-        needs["actor rank 0 (--vllm.max_restarts: the weights kept for a restarted engine)"] = model + 3 * message
+        needs["actor rank 0 (--vllm.max_restarts: the weights kept for a restarted engine)"] = 2 * model + 3 * message
         needs[f"a restarted vLLM engine with its {tp} worker(s) (--vllm.max_restarts)"] = engine_load
     if args.algo.prox_mode == "dedicated":  # with reload, rank 0 keeps the very messages the engines loaded
         key = "actor rank 0 (--vllm.sync_backend reload)"

@@ -286,8 +286,8 @@ def canary_skipped(args) -> Optional[str]:
 
 def regroup_probe_due(args) -> bool:
     """Whether the start-up self-check forms the weight sync group a second time and probes it, as an engine
-    replacement will (``weight_sync.py::WeightSync.startup_regroup_probe``): --vllm.max_restarts with upstream's
-    NCCL/gloo group on GPUs (not with CUDA IPC, which has no group; the reload backend needs none)."""
+    replacement will (``replacement_sync.py::ReplacementSync.startup_regroup_probe``): --vllm.max_restarts with
+    upstream's NCCL/gloo group on GPUs (not with CUDA IPC, which has no group; the reload backend needs none)."""
     from openrlhf_ess import config
 
     vllm = args.vllm

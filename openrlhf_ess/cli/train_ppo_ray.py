@@ -218,7 +218,12 @@ def train(args) -> None:
 
     # The engines are watched from their creation on (--vllm.watchdog_s; trainer/ray/engine_watchdog.py).
     # Replacement (--vllm.max_restarts): the engine keeper is created with them (trainer/ray/engine_keeper.py).
-    engines = WatchedEngines(create_vllm_engines(args), args.vllm.watchdog_s, args.vllm.max_restarts)
+    engines = WatchedEngines(
+        create_vllm_engines(args),
+        args.vllm.watchdog_s,
+        args.vllm.max_restarts,
+        getattr(args.vllm, "restart_timeout_s", None),
+    )
     # Every trainer role draws its rendezvous port outside the ephemeral range (trainer/ray/rendezvous.py).
     classes = {
         **role_classes(),
@@ -380,7 +385,7 @@ def _main(argv: Optional[List[str]]) -> None:
         print(f"[openrlhf-ess] {notice}")
     try:  # one run per output folder (run_lock.py): held until this process exits, however it exits
         command = None if argv is None else ["-m", "openrlhf_ess.cli.train_ppo_ray", *argv]
-        locks = run_lock.acquire_all(args, log=print, argv=command)
+        locks = run_lock.acquire_all(args, log=print, argv=command, saves_best=preflight.outputs.saves_best(args))
     except config.ConfigError as e:
         print(f"openrlhf-ess: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,6 +9,7 @@ refused in :mod:`.validation`.
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 from openrlhf_ess import upstream
 
@@ -22,6 +23,9 @@ CPU_KV_CACHE_GB = 1.0
 # --vllm.watchdog_s default: no legitimate silence of an engine with requests in flight (a weight sync pausing partial
 # rollouts, a long prefill) comes near it on a GPU cluster; a hung engine costs at most this much of the allocation.
 ENGINE_WATCHDOG_S = 600.0
+# --vllm.restart_timeout_s default: 3x the slowest first start of the run's engines, at least 300 s
+# (trainer/ray/engine_watchdog.py::restart_deadline)
+RESTART_TIMEOUT_AUTO = "auto"
 
 OPOB_WEIGHTS = ("tis", "seq_product", "seq_product_truncated")
 OPOB_NORMS = ("head", "full")
@@ -105,6 +109,19 @@ def ewma_decay_arg(text: str):
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a decay in (0, 1) or '{EWMA_DECAY_AUTO}', got {text!r}") from None
+
+
+def restart_timeout(text: str) -> Optional[float]:
+    """--vllm.restart_timeout_s: 'auto' (None: a few times the engines' measured first start) or seconds > 0."""
+    if str(text).strip().lower() == RESTART_TIMEOUT_AUTO:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 or '{RESTART_TIMEOUT_AUTO}', got {text!r}")
+    return value
 
 
 def watchdog_seconds(text: str) -> float:
@@ -227,8 +244,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "trainer's before serving, its in-flight prompts are generated again from the start, and its samples are "
         "trained only after the sync check passed on it. Default 0 = upstream's fail fast. Sync and async "
         "training, any sync backend (with nccl/gloo the group is formed again at the next sync; a death during a "
-        "broadcast stops the run); not the interrupt/dedicated π_prox modes; keeps one host copy of the model in "
-        "Ray's object store. docs/faults.md.",
+        "broadcast stops the run); not the interrupt/dedicated π_prox modes nor --train.colocate_all; keeps up to two "
+        "host copies of the model in Ray's object store (one between syncs). docs/faults.md.",
+    )
+    group.add_argument(
+        "--vllm.restart_timeout_s",
+        type=restart_timeout,
+        default=RESTART_TIMEOUT_AUTO,
+        help="With --vllm.max_restarts: the longest an engine may take from its death or kill to serving again; "
+        "past it the run stops naming the engine, the cause and what it waited for (a lost node, a start that never "
+        "ends). Default %(default)s: 3x the slowest first start of the run's engines, at least 300 s. docs/faults.md.",
     )
     group.add_argument(
         "--reward.failure_policy",

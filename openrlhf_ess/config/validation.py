@@ -684,6 +684,18 @@ def _validate_replacement(args: types.SimpleNamespace) -> None:
         )
     elif getattr(args.vllm, "enable_sleep", False):
         why = "a restarted engine starts awake, outside upstream's sleep/wake cycle. Drop --vllm.enable_sleep"
+    elif getattr(getattr(args, "train", None), "colocate_all", False):
+        why = (
+            "--train.colocate_all puts the engines on the trainer's GPUs, and a restarted engine starts while the "
+            "trainer's memory is still there: vLLM refuses to start below --vllm.gpu_memory_utilization of the "
+            "GPU free. Drop --train.colocate_all (engines on GPUs of their own)"
+        )
+    elif args.vllm.sync_backend != RELOAD_BACKEND and not getattr(args.vllm, "watchdog_s", 1):
+        why = (
+            f"with --vllm.sync_backend {args.vllm.sync_backend} an engine that dies during a broadcast leaves the "
+            "other members waiting in the collective, and --vllm.watchdog_s 0 turns off the bound that ends that "
+            "wait (the run would hang). Give --vllm.watchdog_s seconds (default 600)"
+        )
     elif args.vllm.sync_check_tol <= 0:
         why = (
             "a replaced engine's samples are trained only after the weight sync check (checksums and canary) passed "

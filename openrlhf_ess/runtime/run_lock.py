@@ -104,14 +104,12 @@ def describe(holder: Optional[dict]) -> str:
     return f"{where}, started {holder.get('started', '?')}, command: {command}"
 
 
-def lock_dirs(args) -> List[Tuple[str, str]]:
+def lock_dirs(args, saves_best: bool = False) -> List[Tuple[str, str]]:
     """(flag, folder) for each folder a run owns: the final model's, and the checkpoints' when it writes or resumes
-    from them (resuming moves broken checkpoints aside). The same folder twice is locked once."""
+    from them (resuming moves broken checkpoints aside; ``saves_best``: a best checkpoint at an eval, as the caller
+    decides from the flags). The same folder twice is locked once."""
     dirs = [("--ckpt.output_dir", args.ckpt.output_dir)]
-    from openrlhf_ess import config
-
-    best = config.eval_on(args) and args.ckpt.best_metric_key != "none"  # a best checkpoint at an eval
-    saving = args.ckpt.save_steps > 0 or best
+    saving = args.ckpt.save_steps > 0 or saves_best
     if saving or (args.ckpt.load_enable and os.path.isdir(args.ckpt.path)):
         dirs.append(("--ckpt.path", args.ckpt.path))
     out, seen = [], set()
@@ -217,11 +215,13 @@ def acquire(flag: str, folder: str, log: Callable[[str], None] = print, argv: Op
     raise ConfigError(f"{flag} {folder}: could not take the lock {path} (it kept being replaced). Try again.")
 
 
-def acquire_all(args, log: Callable[[str], None] = print, argv: Optional[List[str]] = None) -> List[RunLock]:
+def acquire_all(
+    args, log: Callable[[str], None] = print, argv: Optional[List[str]] = None, saves_best: bool = False
+) -> List[RunLock]:
     """Lock every folder of :func:`lock_dirs`; on a refusal, release those already taken and raise."""
     locks: List[RunLock] = []
     try:
-        for flag, folder in lock_dirs(args):
+        for flag, folder in lock_dirs(args, saves_best):
             locks.append(acquire(flag, folder, log, argv))
     except BaseException:
         release_all(locks)

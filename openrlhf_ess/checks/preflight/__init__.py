@@ -34,6 +34,7 @@ module per input family, each with its own tests file (``tests/test_preflight_<m
 
 from __future__ import annotations
 
+import os
 import time
 import types
 from typing import List
@@ -49,6 +50,8 @@ def check(args: types.SimpleNamespace) -> List[str]:
     flags._check_floats(args)
     flags._check_steps(args)
     flags._check_training_flags(args, notices)
+    address = getattr(getattr(args, "ray", None), "address", None) or os.environ.get("RAY_ADDRESS")
+    flags._check_replacement_cluster(args, notices, address)
     flags._check_sampling(args)
     engine_line = engine._check_vllm_version(args, notices)
     tokenizer = model._check_models(args, notices)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import types
-from typing import Any, List
+from typing import Any, List, Optional
 
 from openrlhf_ess import config, upstream
 from openrlhf_ess.config import ConfigError
@@ -154,6 +154,23 @@ def dp_size(args: types.SimpleNamespace, role: str) -> int:
     over ring-attention and DeepSpeed-TP groups."""
     group = getattr(args, role)
     return max(1, group.num_nodes * group.num_gpus_per_node // args.ds.ring_attn_size // args.ds.tensor_parallel_size)
+
+
+def _check_replacement_cluster(args: types.SimpleNamespace, notices: List[str], address: Optional[str]) -> None:
+    """--vllm.max_restarts with tensor-parallel engines on a joined cluster (``address``): a dead engine's vLLM
+    workers (Ray actors of its own) go only with its process group, which Ray's raylet ends only with
+    ``RAY_process_group_cleanup_enabled`` set at ``ray start`` (our private instance sets it); without it the new
+    engine's workers may wait for the GPUs the old ones hold, until --vllm.restart_timeout_s stops the run."""
+    tp = int(getattr(args.vllm, "tensor_parallel_size", 1) or 1)
+    if not address or getattr(args.vllm, "max_restarts", 0) <= 0 or tp <= 1:
+        return
+    notices.append(
+        f"--vllm.max_restarts {args.vllm.max_restarts} with --vllm.tensor_parallel_size {tp} on the Ray cluster at "
+        f"{address}: a dead engine's vLLM workers leave their GPUs only if every node's raylet was started with "
+        "RAY_process_group_cleanup_enabled=true (RAY_process_group_cleanup_enabled=true ray start ...); without it "
+        "a restarted engine can wait for GPUs its old workers still hold, until --vllm.restart_timeout_s stops the "
+        "run. Our own Ray instance sets it; a joined cluster must (docs/faults.md)."
+    )
 
 
 def _check_training_flags(args: types.SimpleNamespace, notices: List[str]) -> None:

@@ -50,6 +50,10 @@ logger = logging.getLogger(__name__)
 
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
+# The engine actor's Ray concurrency group for the watchdog's and the replacement's calls, and its size.
+WATCH_GROUP = "watch"
+WATCH_GROUP_CONCURRENCY = 4
+
 
 class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
     # Replacement (--vllm.max_restarts; set by __init__): this engine's place in the run's list, the run's keeper
@@ -57,8 +61,31 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
     _keeper: Any = None
     _restart: Optional[Dict[str, Any]] = None
     _held_set: Optional[int] = None  # the version of the last set load_weights_from_refs loaded
+    _sync_paused: bool = False  # between pause_generation and resume_generation (the watchdog does not time it)
 
-    async def __init__(
+    async def __init__(self, *args, engine_index: int = 0, replaceable: bool = False, **kwargs):
+        """Upstream's init with our options (:meth:`_start`).
+
+        ``engine_index``, ``replaceable`` (--vllm.max_restarts > 0): this engine's place in the run's list, and
+        replacement on (``trainer/ray/engine_keeper.py``): the keeper is told of each start; a restart by Ray loads
+        the last sync's weights and version before serving, or, past the restart budget, raises (the actor stays
+        dead); a dead vLLM engine core ends this actor's process, so that Ray restarts it and sends its calls again
+        (every engine call: :data:`ENGINE_CALLS`). A restart whose start raises tells the keeper why first, so that
+        its failure is closed and named (the actor stays dead)."""
+        self.engine_index, self._keeper, self._restart = engine_index, None, None
+        if replaceable:  # first of all: a restart's first seconds are visible to the watchdog (restarting)
+            self._restart = await self._hello_keeper()
+        try:
+            await self._start(*args, **kwargs)
+            if self._restart is not None:
+                await self._rejoin(self._restart)
+        except Exception as e:
+            if self._restart is not None:
+                why = f"its start failed ({type(e).__name__}: {str(e)[:300]})"
+                await self._keeper.not_replaced.remote(self.engine_index, why)
+            raise
+
+    async def _start(
         self,
         *args,
         force_logprobs: bool = False,
@@ -70,8 +97,6 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         fp32_lm_head: bool = False,
         report_routes: bool = False,
         selfcheck: bool = True,
-        engine_index: int = 0,
-        replaceable: bool = False,
         **kwargs,
     ):
         """Extends upstream's init.
@@ -95,16 +120,8 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         all: outside the tested (build, release) pairs a warning, or with ``selfcheck`` False an
         :class:`EngineContractError` (``engine_contract.check_engine_vllm``); :meth:`vllm_version` returns the report,
         which the driver logs (:func:`report_engine_versions`).
-        ``engine_index``, ``replaceable`` (--vllm.max_restarts > 0): this engine's place in the run's list, and
-        replacement on (``trainer/ray/engine_keeper.py``): the keeper is told of each start; a restart by Ray loads
-        the last sync's weights and version before serving, or, past the restart budget, raises (the actor stays
-        dead); a dead vLLM engine core ends this actor's process, so that Ray restarts it and sends its calls again.
         """
         from openrlhf_ess.trainer.engine_contract import check_engine_vllm, engine_vllm_report
-
-        self.engine_index, self._keeper, self._restart = engine_index, None, None
-        if replaceable:  # first of all: a restart's first seconds are visible to the watchdog (restarting)
-            self._restart = await self._hello_keeper()
 
         self._vllm_version = check_engine_vllm(engine_vllm_report(), selfcheck)
         (logger.warning if self._vllm_version["level"] == "warning" else logger.info)(self._vllm_version["line"])
@@ -155,8 +172,6 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
                 self.executor, kept_counts=report_kept_counts, routes=report_routes
             )
             self.llm.generate = self._tracking_stream(self.llm.generate)
-        if self._restart is not None:
-            await self._rejoin(self._restart)
 
     def _tracking_stream(self, generate):
         """Wrap AsyncLLM.generate: count streamed tokens per request and record their versions."""
@@ -382,14 +397,30 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         self._finished = []
         return out
 
+    @ray.method(concurrency_group=WATCH_GROUP)
     async def watchdog_progress(self) -> Dict[str, Any]:
-        """This engine's pid and, per request in flight in vLLM, its output tokens so far, for the driver's engine
-        watchdog (``trainer/ray/engine_watchdog.py``). Read from vLLM's output processor, which every streamed token
-        passes through, so it covers every request (rollouts, evals, the canary), versions tracked or not."""
+        """This engine's pid, whether it is paused for a weight sync, and, per request in flight in vLLM, its output
+        tokens so far, for the driver's engine watchdog (``trainer/ray/engine_watchdog.py``). Read from vLLM's output
+        processor, which every streamed token passes through, so it covers every request (rollouts, evals, the
+        canary), versions tracked or not. In its own concurrency group: never queued behind generation calls."""
         states = self.llm.output_processor.request_states
         tokens = {rid: state.detokenizer.num_output_tokens() for rid, state in list(states.items())}
-        return {"pid": os.getpid(), "tokens": tokens}
+        return {"pid": os.getpid(), "tokens": tokens, "paused": self._sync_paused}
 
+    async def pause_generation(self):
+        """Upstream's (vLLM's ``pause_generation(mode="keep")``), marked for the watchdog until
+        :meth:`resume_generation`: a paused engine streams nothing by design, for as long as the weight sync lasts."""
+        self._sync_paused = True
+        await super().pause_generation()
+
+    async def resume_generation(self):
+        """Upstream's; the watchdog times this engine's requests again from its next answer."""
+        try:
+            await super().resume_generation()
+        finally:
+            self._sync_paused = False
+
+    @ray.method(concurrency_group=WATCH_GROUP)
     async def held_weight_version(self) -> int:
         """The weight version the engine holds: the last one :meth:`set_weight_version` gave it (0 before)."""
         return self.weight_version
@@ -479,21 +510,18 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         if version is not None and version == self._held_set:
             checksums = await self.weight_checksums() if with_checksums else None
             return {"counts": [], "checksums": checksums, "checksum_seconds": 0.0}
-        try:
-            if self.llm.output_processor.get_num_unfinished_requests() and not await self.llm.is_paused():
-                await self.pause_generation()
-            for ref in refs[:-1]:
-                await self.stage_weights_from_safetensors(await ref)
-            loaded = await self.load_weights_from_safetensors(await refs[-1], with_checksums)
-            self._held_set = version
-            return loaded
-        except Exception as e:  # an engine core that died while idle is found here, at the sync after its death
-            self._exit_if_engine_dead(e)
-            raise
+        if self.llm.output_processor.get_num_unfinished_requests() and not await self.llm.is_paused():
+            await self.pause_generation()
+        for ref in refs[:-1]:
+            await self.stage_weights_from_safetensors(await ref)
+        loaded = await self.load_weights_from_safetensors(await refs[-1], with_checksums)
+        self._held_set = version
+        return loaded
 
     def _exit_if_engine_dead(self, error: BaseException) -> None:
         """Replacement on: a dead vLLM engine core (``AsyncLLM.errored``) ends this actor's process, so that Ray
-        restarts the actor and sends its calls in flight again; off, the error reaches the caller (fail fast)."""
+        restarts the actor and sends its calls in flight again; off, the error reaches the caller (fail fast). Every
+        engine call reaches it (:func:`_engine_call`, :data:`ENGINE_CALLS`), whichever call first meets the death."""
         if self._keeper is None or not getattr(self.llm, "errored", False):
             return
         cause = f"its vLLM engine core died ({type(error).__name__})"
@@ -529,9 +557,6 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         token = _EVALUATION.set(is_evaluation(sampling_params))
         try:
             return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
-        except Exception as e:
-            self._exit_if_engine_dead(e)
-            raise
         finally:
             _EVALUATION.reset(token)
 
@@ -592,7 +617,52 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         )
 
 
-RolloutRayActor = ray.remote(RolloutRayActorImpl)
+# Every call of the engine actor that reaches vLLM's engine core (Ray calls from the controller, the weight sync, the
+# sync check, the start-up checks; and the loads a restart makes in its __init__): each goes through
+# :func:`_engine_call`, so that whichever meets a dead engine core first turns it into a replacement.
+ENGINE_CALLS = (
+    "generate_responses",
+    "pause_generation",
+    "resume_generation",
+    "init_process_group",
+    "update_weight",
+    "update_weight_cuda_ipc",
+    "reset_prefix_cache",
+    "stage_weights_from_safetensors",
+    "load_weights_from_safetensors",
+    "load_weights_from_refs",
+    "weight_checksums",
+    "prompt_log_probs",
+    "contract_sample",
+    "probe_sync_group",
+    "sleep",
+    "wake_up",
+)
+
+
+def _engine_call(method):
+    """One engine call, made replaceable: an error raised while vLLM's engine core is dead ends this actor's process
+    for Ray to replace (:meth:`RolloutRayActorImpl._exit_if_engine_dead`, replacement on); any other error, or with
+    replacement off, reaches the caller as it is."""
+
+    @functools.wraps(method)
+    async def call(self, *args, **kwargs):
+        try:
+            return await method(self, *args, **kwargs)
+        except Exception as e:
+            self._exit_if_engine_dead(e)
+            raise
+
+    call.engine_call = True
+    return call
+
+
+for _name in ENGINE_CALLS:
+    setattr(RolloutRayActorImpl, _name, _engine_call(getattr(RolloutRayActorImpl, _name)))
+
+# The watchdog's and the replacement's calls (``watchdog_progress``, ``held_weight_version``) run in their own group,
+# so that they never wait behind the default group's generation calls (up to Ray's 1,000 at once).
+RolloutRayActor = ray.remote(concurrency_groups={WATCH_GROUP: WATCH_GROUP_CONCURRENCY})(RolloutRayActorImpl)
 
 
 class _WithEngineKwargs:
