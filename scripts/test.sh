@@ -20,11 +20,11 @@ if [ "$#" -gt 0 ] && [ "$1" != "--default" ]; then
     exec "${PYTEST[@]}" "$@"
 fi
 start=$SECONDS
-"${PYTEST[@]}" # the default suite (pytest.ini: not slow, not gpu, not stack)
+"${PYTEST[@]}" --durations=25 # the default suite (pytest.ini: not slow, not gpu, not stack); the slowest 25 named
 echo "[test.sh] default suite: $((SECONDS - start)) s"
 if [ "${1:-}" = "--default" ]; then
     exit 0
 fi
 start=$SECONDS
-"${PYTEST[@]}" -m stack # the real-stack feature runs; CI runs them too
+"${PYTEST[@]}" -m stack --durations=25 # the real-stack feature runs; CI runs them too
 echo "[test.sh] stack tier: $((SECONDS - start)) s"
