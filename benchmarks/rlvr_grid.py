@@ -874,12 +874,13 @@ def curves_table(results: Dict[str, List[Dict]]) -> List[str]:
         f"Each run's logged training scalars, each cell the mean over the {CURVE_WINDOW} steps up to each checkpoint "
         "(a tenth, a quarter, half, three quarters and the end of the run, in that order): the training batch's "
         "reward and share of well-formed answers (its samples up to the lag versions old), k1 = KL(μ‖π_prox) of "
-        "its tokens (what the IS weights correct), the mean TIS weight, PPO's KL(π_prox‖π_θ) after the epochs and "
-        "the share of tokens its clip held, and ESS-LR's ρ and LR scale. – where the run did not log it.",
+        "its tokens (what the IS weights correct), ESS/B of the per-trajectory weights (`mismatch/ess_frac`), the "
+        "mean TIS weight, PPO's KL(π_prox‖π_θ) after the epochs and the share of tokens its clip held, and ESS-LR's "
+        "ρ and LR scale. – where the run did not log it.",
         "",
-        "| configuration | seed | steps | reward | well-formed | k1 μ‖π_prox | TIS weight | PPO KL | PPO clip | ρ_ESS "
-        "| LR scale |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | seed | steps | reward | well-formed | k1 μ‖π_prox | ESS/B | TIS weight | PPO KL | PPO clip "
+        "| ρ_ESS | LR scale |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
 

@@ -434,6 +434,10 @@ def test_the_update_is_read_per_step_and_tabled_as_window_means_at_five_checkpoi
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:4] == ["async q16 + partial: seq TIS", "3", "2/5/10/15/20", "0.015 / 0.03 / 0.08 / 0.13 / 0.18"]
     assert cells[4] == "–" and cells[5] == "– / – / – / – / 0.5"  # not logged; logged at the end only
+    header = next(line for line in lines if line.startswith("| configuration"))
+    names = [c.strip() for c in header.strip("|").split("|")]
+    assert len(names) == len(cells) == 3 + len(rlvr_grid.CURVES)  # a column per curve, each under its own name
+    assert names[5:7] == ["k1 μ‖π_prox", "ESS/B"]
     assert rlvr_grid.curves_table({"sync | none": [{"seed": 0, "eval": []}]}) == []  # recorded without curves
 
 
