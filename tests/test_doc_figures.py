@@ -17,7 +17,7 @@ RENDERED = (
     "results.md",
     "time_to_reward.md",
 )  # the files the benchmarks write (benchmarks/rlvr_grid.py, staleness.py)
-NUMBER = r"(?<![\w.])[−-]?\d+\.\d+(?![\w.]*\d)"
+NUMBER = r"(?<![\w.])[−-]?\d+\.\d+(?![\w.]*\d)(?!e[−+-]?\d)"  # not the mantissa of 1.2e-09
 RANGE = re.compile(rf"({NUMBER})–({NUMBER})")
 
 
@@ -97,6 +97,7 @@ def test_the_check_finds_a_figure_no_results_file_holds():
     # a figure with no linked source, and the goal's threshold (not a result)
     assert untraced("- it was 0.97× as good") == ["(figures, but no linked page with a results folder)"]
     assert figures("reaches ≥ 0.9× of sync's, at −1.10× (−1.33 to −0.86)") == (["−1.10", "−1.33", "−0.86"], [])
+    assert figures("PPO KL 1.2e-09, then 1.25") == (["1.25"], [])  # a logged 1.2e-09 traces no figure 1.2
 
 
 def test_both_ends_of_a_range_must_come_from_one_file(tmp_path):
