@@ -248,11 +248,11 @@ class _FakeLock:
 
 
 def test_sync_and_async_evals_log_the_clock(monkeypatch):
-    from openrlhf.trainer import ppo_trainer as upstream_sync
-    from openrlhf.trainer import ppo_trainer_async as upstream_async
-
+    # upstream's modules as ours imported them (ours first make upstream importable without flash-attn)
     from openrlhf_ess.trainer.ppo_trainer import PPOTrainerImpl
+    from openrlhf_ess.trainer.ppo_trainer import _upstream as upstream_sync
     from openrlhf_ess.trainer.ppo_trainer_async import GenerateSamplesActorImpl
+    from openrlhf_ess.trainer.ppo_trainer_async import _upstream as upstream_async
 
     fake_metrics = lambda loader, samples, n: {"eval_default_pass1": 0.5}  # noqa: E731
     monkeypatch.setattr(upstream_sync, "compute_eval_metrics", fake_metrics)
@@ -263,9 +263,32 @@ def test_sync_and_async_evals_log_the_clock(monkeypatch):
     trainer = object.__new__(PPOTrainerImpl)
     trainer.samples_generator, trainer.eval_dataloader = generator, None
     trainer.wandb_logger, trainer.tensorboard_logger = None, _Logger()
+    trainer.args = types.SimpleNamespace(train=types.SimpleNamespace(stale_k=0))
     logs = PPOTrainerImpl.evaluate(trainer, 2, n_samples_per_prompt=2)
     assert logs == {"eval_default_pass1": 0.5, **clock}
     assert trainer.tensorboard_logger.logged == [(2, logs)]
+
+    # --train.stale_k: the engines hold the trainer's weights for the eval and get theirs back after it, also when
+    # the eval fails
+    order = []
+    trainer.args.train.stale_k = 2
+    trainer._engines_eval_weights = lambda live: order.append(("live" if live else "back"))
+    trainer.samples_generator = types.SimpleNamespace(
+        generate_eval_samples=lambda **kw: order.append("eval") or [], last_eval_clock=clock
+    )
+    assert PPOTrainerImpl.evaluate(trainer, 4, n_samples_per_prompt=2) == logs
+    assert order == ["live", "eval", "back"]
+    order.clear()
+
+    def fails(**kw):
+        order.append("eval")
+        raise RuntimeError("an engine died")
+
+    trainer.samples_generator = types.SimpleNamespace(generate_eval_samples=fails, last_eval_clock=clock)
+    with pytest.raises(RuntimeError, match="an engine died"):
+        PPOTrainerImpl.evaluate(trainer, 6, n_samples_per_prompt=2)
+    assert order == ["live", "eval", "back"]
+    trainer.samples_generator = generator
 
     actor = object.__new__(GenerateSamplesActorImpl)
     actor.samples_generator, actor.eval_dataloader, actor.generate_kwargs = generator, None, {}
