@@ -209,7 +209,11 @@ if step.get("failure"):
     auto_resume.record_failure(step["failure"], step["message"])
 if step.get("wait_for_signal"):
     def stop(signum, frame):
-        open(os.path.join(folder, f"signalled{attempt}"), "w").write(str(signum))
+        # written whole, then renamed: the test polls for the name and must never read it half-written
+        path = os.path.join(folder, f"signalled{attempt}")
+        with open(path + ".part", "w") as f:
+            f.write(str(signum))
+        os.replace(path + ".part", path)
         if step["wait_for_signal"] == "exit":
             sys.exit(128 + signum)
     signal.signal(signal.SIGTERM, stop)
