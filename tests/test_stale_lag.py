@@ -165,7 +165,7 @@ def _args(world, **over):
         ({"train.stale_k": 4, "algo.prox_mode": "interrupt"}, "prox_mode snapshot with --algo.prox_snapshots 5"),
         ({"train.stale_k": 4, "algo.prox_mode": "snapshot"}, "Set --algo.prox_snapshots 5"),
         ({"train.stale_k": 4, "ckpt.load_enable": True}, "cannot resume from a checkpoint yet"),
-        ({"train.stale_k": 4, "vllm.max_restarts": 1}, "Drop --vllm.max_restarts (0)"),
+        ({"train.stale_k": 4, "vllm.max_restarts": 1}, "--train.stale_k 4 sends the engines weights K versions older"),
     ],
 )
 def test_bad_combinations_name_the_flag_and_the_fix(tiny_world, over, words):

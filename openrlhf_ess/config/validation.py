@@ -199,7 +199,7 @@ def validate(args: types.SimpleNamespace) -> List[str]:
             "--algo.ess_lr_floor/--algo.ess_lr_weight/--algo.ess_lr_rule are set but --algo.ess_lr_enable is not: "
             "add --algo.ess_lr_enable, or drop them."
         )
-    _validate_stale(args, notices)
+    _validate_stale(args)
     _validate_off_policy(args, notices)
     _validate_sampling_mask(args, notices)
     _validate_auto_resume(args)
@@ -696,6 +696,12 @@ def _validate_replacement(args: types.SimpleNamespace) -> None:
             "other members waiting in the collective, and --vllm.watchdog_s 0 turns off the bound that ends that "
             "wait (the run would hang). Give --vllm.watchdog_s seconds (default 600)"
         )
+    elif resolve.stale_k(args) > 0:
+        why = (
+            f"--train.stale_k {resolve.stale_k(args)} sends the engines weights K versions older than the trainer's, "
+            "and a replaced engine reloads the last sync's weights under the trainer's version, so its tokens would "
+            "carry the wrong version. Drop --train.stale_k for a run with replacement"
+        )
     elif args.vllm.sync_check_tol <= 0:
         why = (
             "a replaced engine's samples are trained only after the weight sync check (checksums and canary) passed "
@@ -705,7 +711,7 @@ def _validate_replacement(args: types.SimpleNamespace) -> None:
         raise ConfigError(f"--vllm.max_restarts {n}: {why}, or --vllm.max_restarts 0 (a dead engine stops the run).")
 
 
-def _validate_stale(args: types.SimpleNamespace, notices: List[str]) -> None:
+def _validate_stale(args: types.SimpleNamespace) -> None:
     """--train.stale_k K (trainer/stale_lag.py): synchronous training, the engines holding weights K versions back."""
     k = resolve.stale_k(args)
     if k < 0:
@@ -726,12 +732,6 @@ def _validate_stale(args: types.SimpleNamespace, notices: List[str]) -> None:
             "version the trainer leaves at each sync, while here the engines hold one K versions older. Use "
             f"--algo.prox_mode snapshot with --algo.prox_snapshots {k + 1} (the same exact pi_prox, from the copies "
             "this lag keeps anyway)."
-        )
-    if args.vllm.max_restarts > 0:
-        raise ConfigError(
-            f"--train.stale_k {k} with --vllm.max_restarts {args.vllm.max_restarts}: a replaced engine reloads the "
-            "last sync's weights under the trainer's version, while here they are K versions older, so its tokens "
-            "would carry the wrong version. Drop --vllm.max_restarts (0) for a set-lag run."
         )
     if args.ckpt.load_enable or args.train.auto_resume > 0:
         raise ConfigError(
