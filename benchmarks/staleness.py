@@ -92,6 +92,9 @@ EXTRA_CORRECTIONS: Dict[str, List[str]] = {
     "OPOB": ["--algo.advantage.baseline", "opob"],
     "VCPO + snapshot": VCPO_VARIANT + SNAPSHOT,
     "VCPO (recipe)": ["--algo.vcpo_enable"],
+    # The recipe with its ESS-guided LR cut held at 1 (ρ still computed and logged): which of its parts holds a
+    # stale policy, the LR cut or the rest (the optimal baseline over the sequence weights, sequence TIS at 8)
+    "VCPO (recipe) without LR cut": ["--algo.vcpo_enable", "--algo.ess_lr_floor", "1"],
     "TIS + EWMA (Hilton)": TIS + ["--algo.prox_mode", "ewma", "--algo.prox_ewma_style", "hilton"],
     # M2PO as the paper describes it (Algorithm 1's mask at its τ = 0.04) and as its released code runs it (the
     # adaptive clip from the same budget); both need one optimizer step per batch, the RLVR task's default
