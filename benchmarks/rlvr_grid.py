@@ -497,12 +497,19 @@ def curve_mean(run: Dict, name: str, first: int = 1) -> Optional[float]:
     return statistics.mean(values) if values else None
 
 
+def curve_at(run: Dict, name: str, step: int) -> Optional[float]:
+    """A recorded curve's value at ``step``; None where not recorded."""
+    return next((v for s, v in (run.get("curves") or {}).get(name, []) if s == step), None)
+
+
 def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[int]) -> List[str]:
     """The rows run at a lag set exactly (--train.stale_k), each seed against sync's run of the same seed: the gain
     over the start as a multiple of sync's, the step where the run first fell below the start, the steps to 0.9×
     sync's final accuracy (and that over sync's own, r: the extra steps the lag costs), and the staleness the update
     saw: KL(μ‖π_prox) (k1; with one step a batch π_prox is π_θ at the step's start) and ESS/B of the per-trajectory
-    weights, each the mean over the steps from K + 1 on (where every token has the lag K). [] where no row set one."""
+    weights, each the mean over the steps from K + 1 on (where every token has the lag K); and k1 at step 2, the first
+    batch sampled one version behind (the first K batches come from the initial weights): how far one optimizer step
+    moves the policy at the run's LR. [] where no row set one."""
     sync = {r["seed"]: r for r in results.get("sync | none", [])}
     keyed = [(k, runs) for k, runs in results.items() if runs and stale_k_of(runs[0]) is not None]
     if not sync or not keyed:
@@ -523,11 +530,12 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
         "multiple of sync's run of the same seed. Below start: the first eval step under the start's "
         f"{start_value:.3f} (– never). To 0.9×: the first eval step at ≥ 0.9 × sync's mean final ({target:.3f}; "
         f"sync's seeds reached it at {cell(sync_to, str) or 'never'}); r = its mean over sync's. k1 and ESS/B: means "
-        "over steps K + 1 on.",
+        "over steps K + 1 on. One step's k1: at step 2, whose batch the initial weights sampled (the first K batches come "
+        "from them) and the weights after one optimizer step score: how far one step moves the policy.",
         "",
         "| configuration | K (versions / optimizer steps) | seeds | gain × sync's, per seed | below start at step | "
-        "to 0.9× sync's final (steps) | r | k1(μ‖π_prox), per seed | ESS/B, per seed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "to 0.9× sync's final (steps) | r | k1(μ‖π_prox), per seed | ESS/B, per seed | one step's k1, per seed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, runs in keyed:
         runs = sorted(runs, key=lambda r: r["seed"])
@@ -555,6 +563,7 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
             "–" if r_cost is None else f"{r_cost:.2f}",
             cell([curve_mean(r, "k1_mu_prox", k + 1) for r in runs], lambda v: f"{v:.3f}"),
             cell([curve_mean(r, "ess_frac", k + 1) for r in runs], lambda v: f"{v:.3f}"),
+            cell([curve_at(r, "k1_mu_prox", 2) for r in runs], lambda v: f"{v:.3f}"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines

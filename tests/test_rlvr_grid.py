@@ -505,13 +505,14 @@ def test_the_lag_table_per_seed_worked_by_hand():
     fell = _run([(25, 10.0, 0.1), (50, 20.0, 0.15)])  # gain −0.075: −0.375×, below the start from step 25, never 0.36
     held["flags"] = ["--train.stale_k", "16", "--train.max_epochs", "2"]
     fell["flags"] = ["--train.stale_k", "16"]
-    held["curves"] = {"k1_mu_prox": [[s, 0.1 if s <= 16 else 0.5] for s in range(1, 51)]}
+    held["curves"] = {"k1_mu_prox": [[s, {1: 0.0, 2: 0.07}.get(s, 0.1) if s <= 16 else 0.5] for s in range(1, 51)]}
     held["curves"]["ess_frac"] = [[s, 1.0 if s <= 16 else 0.8] for s in range(1, 51)]
     results = {"sync | none": [sync], "stale k16 | TIS": [held], "stale k16 | none": [fell]}
     text = "\n".join(rlvr_grid.lag_table(results, 0.2, [25, 50]))
-    # sync reached 0.36 at step 50, so r = 50 / 50 = 1.00; steps 17-50 give the k1 and ESS/B means
-    assert "| stale k16: TIS | 16 / 32 | 1 | 0.75 | – | 50 | 1.00 | 0.500 | 0.800 |" in text
-    assert "| stale k16: none | 16 / 16 | 1 | −0.38 | 25 | – | – | – | – |" in text
+    # sync reached 0.36 at step 50, so r = 50 / 50 = 1.00; steps 17-50 give the k1 and ESS/B means; step 2's k1 is
+    # one step's
+    assert "| stale k16: TIS | 16 / 32 | 1 | 0.75 | – | 50 | 1.00 | 0.500 | 0.800 | 0.070 |" in text
+    assert "| stale k16: none | 16 / 16 | 1 | −0.38 | 25 | – | – | – | – | – |" in text
     assert "0.9 × sync's mean final (0.360; sync's seeds reached it at 50)" in text
     assert rlvr_grid.lag_table({"sync | none": [sync]}, 0.2, [25, 50]) == []  # no row set a lag
 
