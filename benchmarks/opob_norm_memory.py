@@ -1,10 +1,11 @@
 """Peak memory of --algo.advantage.opob_norm full's pass against the training step it precedes, on CPU.
 
-    python -m benchmarks.opob_norm_memory [--out FILE]
+    python -m benchmarks.opob_norm_memory [--hidden H] [--vocab V] [--shape L B T ...] [--out FILE]
 
-A random Qwen2 (H = 128, I = 384, 4 heads of 32, V = 4,096, fp32, gradient checkpointing on, training mode as
-upstream's actor runs it) scores B rows of T tokens. For each shape, the peak of live CPU allocations over the
-weights (``benchmarks.common.peak_allocated_bytes``: torch.profiler's memory events) of:
+A random Qwen2 (by default H = 128, I = 384, 4 heads of 32, V = 4,096; ``--hidden``/``--vocab`` for others, I = 3H;
+fp32, gradient checkpointing on, training mode as upstream's actor runs it) scores B rows of T tokens. For each
+shape, the peak of live CPU allocations over the weights (``benchmarks.common.peak_allocated_bytes``: torch.profiler's
+memory events) of:
 
 - ``step``: a training forward and backward of the same rows, each parameter's gradient dropped as it
   accumulates (``register_post_accumulate_grad_hook``): the activations-and-logits footprint of a ZeRO-3 step,
@@ -112,6 +113,11 @@ def main(argv=None):
     import torch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=128, help="H (heads of 32)")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument(
+        "--shape", type=int, nargs=3, action="append", metavar=("L", "B", "T"), help="instead of the default shapes"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -119,8 +125,8 @@ def main(argv=None):
         "| layers L | rows B | tokens T | step (MiB) | pass (MiB) | pass / step | kept (MiB) | kept / step |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for layers, rows, length in SHAPES:
-        p = peaks(build(layers), rows, length)
+    for layers, rows, length in args.shape or SHAPES:
+        p = peaks(build(layers, hidden=args.hidden, vocab=args.vocab), rows, length)
         lines.append(
             f"| {layers} | {rows} | {length} | {p['step'] / MiB:.1f} | {p['pass'] / MiB:.1f} | "
             f"{p['pass'] / p['step']:.2f} | {p['kept'] / MiB:.1f} | {p['kept'] / p['step']:.2f} |"
@@ -128,7 +134,8 @@ def main(argv=None):
         print(lines[-1], flush=True)
     from benchmarks.common import write_table
 
-    write_table("opob_norm_memory", "CPU, fp32, 1 thread, gradient checkpointing on", lines, args.out)
+    setting = f"CPU, fp32, 1 thread, gradient checkpointing on, H = {args.hidden:,}, V = {args.vocab:,}"
+    write_table("opob_norm_memory", setting, lines, args.out)
 
 
 if __name__ == "__main__":

@@ -613,3 +613,30 @@ def test_full_norms_on_two_zero3_ranks_with_micro_batches_of_unequal_size(tiny_w
     seq, am, att = batch()
     want = _autograd_sq_norms(model, seq, att, am, 1.0)
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=1e-4, atol=0)
+
+
+def test_the_cost_benchmark_measures_the_pass_and_upstreams_forward_at_a_small_shape(tmp_path):
+    """benchmarks/opob_full_cost.py at a small shape: its ``full`` runs the HF model once, as the whole micro-batch
+    (one pass, upstream's forward skipped), its ``upstream`` once too, its ``step`` writes every weight's gradient
+    and clears it; the table it writes has the three rows, the step at 1.00× of itself."""
+    from benchmarks import opob_full_cost as bench
+
+    model = bench.build(hidden=128, layers=2, vocab=512, max_len=24)
+    seq, att, am = bench.batch(512, rows=2, prompt=8, actions=16)
+    fns = bench.runners(model, seq, att, am)
+    for name in ("full", "upstream"):
+        shapes, handle = _calls_of(model)
+        fns[name]()
+        handle.remove()
+        assert shapes == [(2, 24)], name
+    grads = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: grads.append(p)) for p in model.parameters()]
+    fns["step"]()
+    for h in hooks:
+        h.remove()
+    assert len(grads) == len(list(model.parameters())) and all(p.grad is None for p in model.parameters())
+    out = tmp_path / "cost.md"
+    small = ["--hidden", "128", "--layers", "2", "--vocab", "512", "--rows", "2", "--prompt", "8", "--actions", "16"]
+    bench.main(small + ["--reps", "1", "--no-memory", "--out", str(out)])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "×" in line][1:]  # no header
+    assert len(rows) == 3 and rows[2].startswith("| training step") and "| 1.00× |" in rows[2]
