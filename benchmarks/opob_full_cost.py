@@ -53,26 +53,13 @@ MATMUL_OPS = (
 
 
 def build(hidden: int, layers: int, vocab: int, max_len: int):
-    """A random Qwen2 of the given shape (head_dim 64), in training mode with non-re-entrant checkpointing."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """A random Qwen2 of the given shape (heads of 64, a key-value head per 256 of H, sdpa attention), in training
+    mode with non-re-entrant checkpointing (``benchmarks.opob_norm_memory.build``)."""
+    from benchmarks.opob_norm_memory import build as qwen2
 
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        max_position_embeddings=max_len,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
+    return qwen2(
+        layers, hidden, vocab, head_dim=64, kv_heads=max(1, hidden // 256), max_len=max_len, attn_implementation="sdpa"
     )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
 
 
 def upstream_actor(model):

@@ -29,7 +29,17 @@ sys.path.insert(0, REPO)
 MiB = 1 << 20
 
 
-def build(layers: int, hidden: int = 128, vocab: int = 4096):
+def build(
+    layers: int,
+    hidden: int = 128,
+    vocab: int = 4096,
+    head_dim: int = 32,
+    kv_heads: int = 1,
+    max_len: int = 4096,
+    **extra,
+):
+    """A random untied Qwen2 (I = 3H), in training mode with non-re-entrant checkpointing (upstream's default);
+    ``extra`` goes to its config (e.g. ``attn_implementation``)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -38,10 +48,11 @@ def build(layers: int, hidden: int = 128, vocab: int = 4096):
         hidden_size=hidden,
         intermediate_size=3 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=hidden // 32,
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
+        num_attention_heads=hidden // head_dim,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_len,
         tie_word_embeddings=False,
+        **extra,
     )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)

@@ -530,8 +530,8 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
         "multiple of sync's run of the same seed. Below start: the first eval step under the start's "
         f"{start_value:.3f} (– never). To 0.9×: the first eval step at ≥ 0.9 × sync's mean final ({target:.3f}; "
         f"sync's seeds reached it at {cell(sync_to, str) or 'never'}); r = its mean over sync's. k1 and ESS/B: means "
-        "over steps K + 1 on. One step's k1: at step 2, whose batch the initial weights sampled (the first K batches come "
-        "from them) and the weights after one optimizer step score: how far one step moves the policy.",
+        "over steps K + 1 on. One step's k1: at step 2, whose batch the initial weights sampled (the first K batches "
+        "come from them) and the weights after one optimizer step score: how far one step moves the policy.",
         "",
         "| configuration | K (versions / optimizer steps) | seeds | gain × sync's, per seed | below start at step | "
         "to 0.9× sync's final (steps) | r | k1(μ‖π_prox), per seed | ESS/B, per seed | one step's k1, per seed |",
