@@ -62,25 +62,27 @@ def build(hidden: int, layers: int, vocab: int, max_len: int):
     )
 
 
-def upstream_actor(model):
+def upstream_actor(model, temperature: float = 1.0):
+    """Upstream's ``Actor`` around ``model`` (made importable on CPU first), as its make-experience forward uses it."""
     from openrlhf_ess.runtime import cpu_compat
 
     cpu_compat.apply()
     from openrlhf.models import Actor
 
-    actor = Actor(model, temperature=1.0)
+    actor = Actor(model, temperature=temperature)
     actor.packing_samples = False  # set by upstream only when it loads the model from a path
     return actor
 
 
-def policy_actor(model, pass_tokens: int, max_len: int):
+def policy_actor(model, norm: str = "full", pass_tokens: int = 0, max_len: int = 12, temperature: float = 1.0):
     """The real ``PolicyModelActorImpl`` (not a Ray actor) around upstream's ``Actor``, with the flags its
-    make-experience forward reads (as tests/test_opob_full_norm.py builds it)."""
+    make-experience forward reads: ``--algo.advantage.baseline opob`` with ``norm``, the pass budget, one training
+    row per micro-batch of ``max_len`` tokens (tests/test_opob_full_norm.py builds its actors with it too)."""
     from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActorImpl
 
     impl = PolicyModelActorImpl.__new__(PolicyModelActorImpl)
-    impl.actor = upstream_actor(model)
-    advantage = types.SimpleNamespace(baseline="opob", opob_norm="full", opob_pass_tokens=pass_tokens)
+    impl.actor = upstream_actor(model, temperature)
+    advantage = types.SimpleNamespace(baseline="opob", opob_norm=norm, opob_pass_tokens=pass_tokens)
     args = types.SimpleNamespace(
         algo=types.SimpleNamespace(advantage=advantage),
         train=types.SimpleNamespace(micro_batch_size=1),

@@ -67,14 +67,9 @@ def test_full_norms_under_gradient_checkpointing(reentrant):
 
 
 def _upstream_actor(model, temperature=0.7):
-    from openrlhf_ess.runtime import cpu_compat
+    from benchmarks.opob_full_cost import upstream_actor
 
-    cpu_compat.apply()
-    from openrlhf.models import Actor
-
-    actor = Actor(model, temperature=temperature)
-    actor.packing_samples = False  # set by upstream only when it loads the model from a path
-    return actor
+    return upstream_actor(model, temperature)
 
 
 def _calls_of(module):
@@ -143,22 +138,10 @@ def test_the_pass_trims_columns_that_are_padding_in_every_row():
 
 def _policy_actor(model, norm: str, pass_tokens: int = 0):
     """The real ``PolicyModelActorImpl`` (not a Ray actor) around upstream's ``Actor`` of ``model``, with the flags
-    the make-experience forward reads."""
-    import types
+    the make-experience forward reads (``--data.max_len`` 12, the rows of :func:`_batch`)."""
+    from benchmarks.opob_full_cost import policy_actor
 
-    from openrlhf_ess.trainer.ray.ppo_actor import PolicyModelActorImpl
-
-    impl = PolicyModelActorImpl.__new__(PolicyModelActorImpl)
-    impl.actor = _upstream_actor(model)
-    advantage = types.SimpleNamespace(baseline="opob", opob_norm=norm, opob_pass_tokens=pass_tokens)
-    args = types.SimpleNamespace(
-        algo=types.SimpleNamespace(advantage=advantage),
-        train=types.SimpleNamespace(micro_batch_size=1),
-        data=types.SimpleNamespace(max_len=12),
-    )
-    impl.strategy = types.SimpleNamespace(args=args, ring_attn_group=None, is_rank_0=lambda: False)
-    impl.trainer = types.SimpleNamespace(routing_replay=False, stop_ids=None)
-    return impl
+    return policy_actor(model, norm=norm, pass_tokens=pass_tokens, max_len=12, temperature=0.7)
 
 
 @pytest.mark.parametrize("pass_tokens, passes", [(0, 3), (36, 1)])
