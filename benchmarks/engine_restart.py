@@ -94,8 +94,8 @@ def reward_func(queries, prompts, labels):
 
 KILLS = [("batch_v0.pt", "actor"), ("batch_v1.pt", "core"), ("batch_v2.pt", "stop")]
 PROMPTS = 32  # four steps of 8 prompts: the three failures come in rollouts 2, 3 and 4
-REPLACED = re.compile(
-    r"engine replaced: engine (\d+) \(pid \d+\): (.*); replaced by pid \d+ at weight version (\d+) in ([0-9.]+) s"
+REPLACED = re.compile(  # engine_keeper.py::restart_line
+    r"engine replaced: engine (\d+) \(pid (\d+)\): (.*); replaced by pid (\d+) at weight version (\d+) in ([0-9.]+) s"
 )
 
 
@@ -108,13 +108,19 @@ def write_kill_reward(run_dir: str, audit: str, kills) -> str:
 
 
 def replacements(log: str) -> List[Dict]:
-    """Every ``engine replaced`` line of a run's log: engine, cause, version, seconds."""
-    out = []
-    for line in log.splitlines():
-        m = REPLACED.search(line)
-        if m:
-            out.append({"engine": int(m[1]), "cause": m[2], "version": int(m[3]), "seconds": float(m[4])})
-    return out
+    """Every ``engine replaced`` line of a run's log: engine, the old and new pids, cause, version, seconds."""
+    return [
+        {
+            "engine": int(m[1]),
+            "old_pid": int(m[2]),
+            "cause": m[3],
+            "new_pid": int(m[4]),
+            "version": int(m[5]),
+            "seconds": float(m[6]),
+        }
+        for m in map(REPLACED.search, log.splitlines())
+        if m
+    ]
 
 
 def one_run(a, world: dict, root: str, name: str, failures: bool) -> Dict:

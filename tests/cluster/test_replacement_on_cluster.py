@@ -75,9 +75,6 @@ STYLES = [
 ]
 TAG = re.compile(r"\[q(\d{2})\]")  # each prompt's tag, first in its text: found again in the trained sequences
 
-REPLACED = re.compile(
-    r"engine replaced: engine (\d+) \(pid (\d+)\): (.*); replaced by pid (\d+) at weight version (\d+) in ([0-9.]+) s"
-)
 # replacement_sync.py::ReplacementSync.regroup_if_replaced
 REGROUP = re.compile(
     r"weight sync group formed again with every vLLM engine after (\d+) engine restart\(s\) "
@@ -279,17 +276,11 @@ def trained_by_tag(audit: str, tokenizer) -> collections.Counter:
 
 
 def replacements(log: str) -> List[Dict]:
-    return [
-        {
-            "engine": int(m[1]),
-            "old_pid": int(m[2]),
-            "cause": m[3],
-            "new_pid": int(m[4]),
-            "version": int(m[5]),
-            "seconds": float(m[6]),
-        }
-        for m in REPLACED.finditer(log)
-    ]
+    """Every ``engine replaced`` line (``benchmarks/engine_restart.py::replacements``, which the CPU benchmark reads
+    too): engine, old and new pid, cause, version, seconds."""
+    from benchmarks.engine_restart import replacements as read
+
+    return read(log)
 
 
 def read_kill(run_dir: str, n: int) -> Optional[dict]:
