@@ -63,13 +63,18 @@ def test_cpu_run_report_and_exit_code(tmp_path):
     run, report, by_id = _run(tmp_path, "--device", "cpu", "--checks", "7")
     assert run.returncode == 0, run.stdout[-4000:]
     assert by_id["0.wheels"]["status"] == "SKIP" and "--device cpu" in by_id["0.wheels"]["reason"]
-    assert [e["id"] for e in report["checks"]] == ["0.wheels", "7.memory_decision", "7.memory_measured"]
+    ids = ["0.wheels", "7.memory_decision", "7.memory_measured", "7.step_floor"]
+    assert [e["id"] for e in report["checks"]] == ids
     assert by_id["7.memory_measured"]["status"] == "SKIP" and "CPU" in by_id["7.memory_measured"]["reason"]
     assert by_id["7.memory_decision"]["test"] == "tests/gpu/test_7_memory.py::test_memory_decision[cpu]"
     memory = by_id["7.memory_decision"]
     assert memory["status"] == "PASS", memory  # the stated 7B case's need, by hand: embedding + 2^24 x 8 + model / 8
     assert memory["numbers"]["need_bytes"] == 152_064 * 3_584 * 2 + 2**27 + 14 * 10**9 // 8
     assert memory["numbers"]["cases"]["below"]["error"] and not memory["numbers"]["cases"]["above"]["error"]
+    floor = by_id["7.step_floor"]  # the floors under upstream's Actor, 2 rows of 256 tokens at V 8,192, bf16
+    assert floor["status"] == "PASS", floor
+    assert floor["numbers"]["floors"]["forward"] == 512 * 8192 * 6
+    assert all(floor["numbers"]["floors"][k] <= floor["numbers"]["measured"][k] for k in ("step", "forward"))
 
 
 def test_missing_packages_skip_with_the_reason_and_stubs_are_reported(tmp_path):

@@ -121,3 +121,124 @@ def test_free_memory_counts_what_the_allocator_holds_unused(monkeypatch):
     assert "<= 12,288 MiB free" in selfcheck.check_memory([report], _memory_args("snapshot"))
     with pytest.raises(SelfCheckError, match="4,096 MiB free"):
         selfcheck.check_memory([{**report, "free": 4 * gib}], _memory_args("snapshot"))
+
+
+# The training step's activations (the floors of selfcheck.step_floor / logits_floor) at real sizes and on a real
+# upstream Actor.
+
+QWEN7B = {"vocab": 151936, "layers": 28, "hidden_size": 3584, "dtype_bytes": 2}
+LLAMA70B = {"vocab": 151936, "layers": 80, "hidden_size": 8192, "dtype_bytes": 2}
+
+
+def test_the_activation_floors_at_real_sizes():
+    """By hand: bf16 logits and their fp32 copy, 2 + 4 bytes a vocabulary entry; an fp32 model's cast copies
+    nothing; each layer's input, H · 2 bytes a token."""
+    mib = 1 << 20
+    assert selfcheck.logits_floor(4096, 151936, 2) == 4096 * 151936 * 6  # 3,561 MiB
+    assert selfcheck.logits_floor(4096, 151936, 4) == 4096 * 151936 * 4
+    assert selfcheck.step_floor(4096, **QWEN7B) == 4096 * 151936 * 6 + 28 * 4096 * 3584 * 2
+    assert round(selfcheck.step_floor(4096, **QWEN7B) / mib) == 3561 + 784
+
+
+def _step_args(train_micro=1, rollout_micro=4, max_len=4096, prox_mode="snapshot", zero_stage=3, dynamic=False):
+    return types.SimpleNamespace(
+        algo=types.SimpleNamespace(prox_mode=prox_mode, prox_score_memory_mb=2048),
+        vllm=types.SimpleNamespace(sync_check_tol=1e-3),
+        ds=types.SimpleNamespace(zero_stage=zero_stage, ring_attn_size=1),
+        data=types.SimpleNamespace(max_len=max_len),
+        train=types.SimpleNamespace(
+            micro_batch_size=train_micro, dynamic_batch_enable=dynamic, max_tokens_per_gpu=16192
+        ),
+        rollout=types.SimpleNamespace(micro_batch_size=rollout_micro, max_tokens_per_gpu=None),
+    )
+
+
+def test_the_memory_check_takes_the_step_off_and_counts_the_swapped_forward():
+    """70B over 16 ZeRO-3 ranks, snapshot, 4,096 tokens: the swapped forward's logits at the rollout micro-batch
+    join the swap's copy, and the step's floor comes off the free memory. 20 GiB free passed before (the copy and
+    the checksums, 11.2 GiB) and is refused now; the step alone above the free memory warns and does not refuse."""
+    gib, mib = 1 << 30, 1 << 20
+    largest = 8192 * 151936 * 2
+    report = {"model_bytes": 140 * gib, "largest_param_bytes": largest, "world": 16, "shape": LLAMA70B}
+    args = _step_args(rollout_micro=1)
+    needs = selfcheck.memory_needs(args, 140 * gib, largest, 16, shape=LLAMA70B)
+    forward = 4096 * 151936 * 6  # one row of the rollout micro-batch: bf16 logits + the fp32 copy
+    assert needs == {
+        "--vllm.sync_check_tol (0 disables the sync check)": largest + 128 * mib,
+        "--algo.prox_mode snapshot": 140 * gib // 16,
+        "--algo.prox_mode snapshot: its forward's logits (--rollout.micro_batch_size)": forward,
+    }
+    step = 4096 * 151936 * 6 + 80 * 4096 * 8192 * 2  # 8,681 MiB
+    need = sum(needs.values())  # 14,906 MiB
+    assert "<= 20,480 MiB free" in selfcheck.check_memory([{**report, "shape": None, "free": 20 * gib}], args)
+    with pytest.raises(SelfCheckError, match=r"20,480 MiB free .* less 8,681 MiB for the training step.* 11,799 MiB"):
+        selfcheck.check_memory([{**report, "free": 20 * gib}], args)
+    free = step + need + mib
+    line = selfcheck.check_memory([{**report, "free": free}], args)
+    assert f"{need / mib:,.0f} MiB stated peak of our features <= {(free - step) / mib:,.0f} MiB free" in line
+    assert "after the step's 8,681 MiB" in line
+    warning = selfcheck.check_memory([{**report, "free": 8 * gib}], args)
+    assert warning.startswith("memory: WARNING: 8,192 MiB free") and "at least 8,681 MiB" in warning
+    # a rollout micro-batch of 16 rows: the swapped forward's logits alone are 55.6 GiB, named as the largest
+    with pytest.raises(SelfCheckError, match=r"The largest is --algo.prox_mode snapshot: its forward's logits"):
+        selfcheck.check_memory([{**report, "free": 60 * gib}], _step_args(rollout_micro=16))
+    assert "<= " in selfcheck.check_memory([{**report, "free": 80 * gib}], _step_args(rollout_micro=16))
+
+
+def test_the_step_floor_follows_dynamic_batches_and_ring_attention():
+    args = _step_args(train_micro=2, dynamic=True)
+    assert selfcheck._micro_tokens(args, "train") == 16192  # --train.max_tokens_per_gpu
+    assert selfcheck._micro_tokens(args, "rollout") == 16192  # --rollout.max_tokens_per_gpu unset: train's
+    args.rollout.max_tokens_per_gpu = 8000
+    assert selfcheck._micro_tokens(args, "rollout") == 8000
+    args.train.dynamic_batch_enable = False
+    assert selfcheck._micro_tokens(args, "train") == 2 * 4096 and selfcheck._micro_tokens(args, "rollout") == 4 * 4096
+    args.ds.ring_attn_size = 3  # the sequence split over the ring's ranks, rounded up
+    assert selfcheck._micro_tokens(args, "train") == -(-2 * 4096 // 3)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_floors_hold_under_upstreams_actor(dtype):
+    """Peak of live CPU allocations (torch.profiler's memory events) of upstream's real ``Actor`` around a random
+    2-layer Qwen2 (H 128, V 8,192, gradient checkpointing, 2 rows of 256 tokens): a training forward and backward
+    (each gradient dropped as it accumulates, ZeRO-3's footprint) is at least step_floor, a no-grad forward at
+    least logits_floor. The floors count one moment, the forward's end, so they stay floors on the GPU path too
+    (flash-attn's cross-entropy, not importable here, changes the backward, not that moment); measured here (MB,
+    floor / measured): bf16 step 68.0 (0.37), forward 33.6 (0.75); fp32 step 68.6 (0.25), forward 33.6 (0.50):
+    the backward's logits gradient and the fp32 path's log-sum-exp come on top. Each floor is asserted to be at
+    least a fifth (step) and two fifths (forward) of its measurement, so a floor that lost its logits fails."""
+    import torch
+
+    from benchmarks.common import peak_allocated_bytes
+    from benchmarks.opob_full_cost import upstream_actor
+    from benchmarks.opob_norm_memory import build
+
+    model = build(2, hidden=128, vocab=8192, max_len=256)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    actor = upstream_actor(model)
+    report = selfcheck.memory_probe(types.SimpleNamespace(actor=actor))
+    shape = report["shape"]
+    assert shape == {"vocab": 8192, "layers": 2, "hidden_size": 128, "dtype_bytes": 2 if dtype == "bf16" else 4}
+    rows, length, actions = 2, 256, 128
+    seq = torch.randint(1, 8192, (rows, length), generator=torch.Generator().manual_seed(0))
+    att, am = torch.ones_like(seq), torch.ones(rows, actions, dtype=torch.bool)
+
+    def step():
+        drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+        try:
+            actor(seq, am, att).sum().backward()
+        finally:
+            for h in drop:
+                h.remove()
+
+    def forward():
+        with torch.no_grad():
+            actor(seq, am, att)
+
+    measured_step, measured_forward = peak_allocated_bytes(step), peak_allocated_bytes(forward)
+    floor_step = selfcheck.step_floor(rows * length, **shape)
+    floor_forward = selfcheck.logits_floor(rows * length, shape["vocab"], shape["dtype_bytes"])
+    print(dtype, {"step": (measured_step, floor_step), "forward": (measured_forward, floor_forward)})
+    assert floor_step <= measured_step <= 5 * floor_step
+    assert floor_forward <= measured_forward <= 2.5 * floor_forward

@@ -17,8 +17,8 @@ the checks; their time is logged). docs/gpu_path.md#start-up-self-checks lists t
   samples with the run's temperature / top-p / top-k against the trainer's log-probs of them (over the kept
   support with the sampling mask) (``weight_sync.py::startup_canary``).
 - **Memory**: each actor rank's free device memory (``torch.cuda.mem_get_info`` plus what PyTorch's allocator
-  holds unused) against the extra peak the
-  run's features state (docs/gpu_path.md's table, :func:`memory_needs`); a shortfall names the flag.
+  holds unused), less a floor of the training step's activations at its longest micro-batch, against the extra
+  peak the run's features state (docs/gpu_path.md's table, :func:`memory_needs`); a shortfall names the flag.
 - **Engine contract** (with ``--algo.sampling_mask keep``): in each engine at its start
   (``trainer/engine_contract.py::check_kept_count_contract``).
 
@@ -196,6 +196,9 @@ def memory_probe(actor) -> dict:
     from openrlhf_ess.trainer.opob import norm_width
 
     report["hidden"] = norm_width(config) if config is not None else 0  # the norm pass's per-row temporaries
+    if config is not None and getattr(config, "vocab_size", 0):  # the activation floors' shape (model_shape)
+        dtype_bytes = next((p.element_size() for p in model.parameters()), 2)
+        report["shape"] = model_shape(config, dtype_bytes)
     if torch.cuda.is_available():
         free, device_total = torch.cuda.mem_get_info()
         # What PyTorch's caching allocator holds but does not use is free to this process (upstream's fit()
@@ -219,10 +222,54 @@ def swap_device_bytes(prox_mode: str, model_bytes: int, largest_param_bytes: int
     return swapped
 
 
-def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int, hidden: int = 0) -> Dict[str, int]:
+def model_shape(config, dtype_bytes: int) -> Dict[str, int]:
+    """What the activation floors read of the policy: vocabulary V, layers L, hidden size H, parameter bytes b."""
+    return {
+        "vocab": int(getattr(config, "vocab_size", 0) or 0),
+        "layers": int(getattr(config, "num_hidden_layers", 0) or 0),
+        "hidden_size": int(getattr(config, "hidden_size", 0) or 0),
+        "dtype_bytes": int(dtype_bytes),
+    }
+
+
+def logits_floor(tokens: int, vocab: int, dtype_bytes: int) -> int:
+    """Bytes every forward of upstream's ``Actor`` holds at once over ``tokens`` tokens: the LM head's logits in the
+    model's dtype and their fp32 copy, both live at ``output["logits"].to(torch.float32)`` (openrlhf/models/actor.py),
+    tokens · V · (b + 4); for an fp32 model the cast copies nothing, tokens · V · 4. At V = 151,936 and 4,096 tokens
+    of bf16: 3,561 MiB. A floor: the hidden states, the attention and the log-softmax come on top."""
+    return tokens * vocab * (dtype_bytes + 4 if dtype_bytes < 4 else dtype_bytes)
+
+
+def step_floor(tokens: int, vocab: int, layers: int, hidden_size: int, dtype_bytes: int) -> int:
+    """A floor of a training micro-batch's activations over ``tokens`` tokens: :func:`logits_floor` plus
+    L · tokens · H · b, each decoder layer's input saved for the backward (under gradient checkpointing all a layer
+    keeps, without it a part of what it keeps), every one still live when the logits are cast at the forward's end.
+    Qwen2.5-7B's shape (L 28, H 3,584, bf16) at 4,096 tokens and V = 151,936: 3,561 + 784 = 4,345 MiB."""
+    return logits_floor(tokens, vocab, dtype_bytes) + layers * tokens * hidden_size * dtype_bytes
+
+
+def _micro_tokens(args, phase: str) -> int:
+    """The most tokens one micro-batch of ``phase`` ("train": the training step; "rollout": make-experience's
+    forwards) holds on a rank: ``--{phase}.max_tokens_per_gpu`` under ``--train.dynamic_batch_enable``, else
+    ``--{phase}.micro_batch_size`` rows × ``--data.max_len``; split over ``--ds.ring_attn_size`` ranks."""
+    train, group = args.train, getattr(args, phase)
+    if getattr(train, "dynamic_batch_enable", False):
+        tokens = getattr(group, "max_tokens_per_gpu", None) or train.max_tokens_per_gpu
+    else:
+        tokens = group.micro_batch_size * args.data.max_len
+    ring = max(int(getattr(getattr(args, "ds", None), "ring_attn_size", 1) or 1), 1)
+    return -(-tokens // ring)
+
+
+def memory_needs(
+    args, model_bytes: int, largest_param_bytes: int, world: int, hidden: int = 0, shape: Optional[dict] = None
+) -> Dict[str, int]:
     """Extra device bytes per actor rank that the run's features state (docs/gpu_path.md), keyed by the flag
-    that brings (and reduces) each. Training's own memory is upstream's and DeepSpeed's, not counted here.
-    ``hidden``: the policy's hidden size (the whole-model norm pass's temporaries)."""
+    that brings (and reduces) each. Training's own memory is upstream's and DeepSpeed's, not counted here
+    (:func:`check_memory` takes the step's activations off the free memory). ``hidden``: the widest normed
+    activation (the whole-model norm pass's temporaries). ``shape`` (:func:`model_shape`; None: not known): adds the
+    swapped forward's logits at make-experience's micro-batch, and what a norm pass longer than a training
+    micro-batch activates beyond it."""
     algo, vllm = args.algo, args.vllm
     zero3 = args.ds.zero_stage == 3
     needs: Dict[str, int] = {}
@@ -231,6 +278,9 @@ def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int, h
     swap = swap_device_bytes(algo.prox_mode, model_bytes, largest_param_bytes, world if zero3 else 1)
     if swap:
         needs[f"--algo.prox_mode {algo.prox_mode}"] = swap
+        if shape:  # the swapped forward runs while the copy is held: its logits at make-experience's micro-batch
+            forward = logits_floor(_micro_tokens(args, "rollout"), shape["vocab"], shape["dtype_bytes"])
+            needs[f"--algo.prox_mode {algo.prox_mode}: its forward's logits (--rollout.micro_batch_size)"] = forward
     if algo.prox_mode == "interrupt":
         budget = getattr(algo, "prox_score_memory_mb", None)
         if budget:
@@ -240,32 +290,56 @@ def memory_needs(args, model_bytes: int, largest_param_bytes: int, world: int, h
         from openrlhf_ess.trainer.opob import pass_extra_bytes, pass_tokens, rows_per_pass
 
         rows = rows_per_pass(args.data.max_len, 1 << 30, pass_tokens(args))  # rows of the longest length a pass takes
-        needs["--algo.advantage.opob_norm full (head: no pass) / --algo.advantage.opob_pass_tokens"] = (
-            pass_extra_bytes(args.data.max_len, rows, hidden)
-        )
+        extra = pass_extra_bytes(args.data.max_len, rows, hidden)
+        if shape:  # a pass over more tokens than a training micro-batch activates more than the step does
+            extra += max(0, step_floor(pass_tokens(args), **shape) - step_floor(_micro_tokens(args, "train"), **shape))
+        needs["--algo.advantage.opob_norm full (head: no pass) / --algo.advantage.opob_pass_tokens"] = extra
     return needs
 
 
 def check_memory(reports: Sequence[dict], args) -> str:
-    """Refuse when a rank's free device memory is below what the run's features state they add."""
+    """Refuse when a rank's free device memory, less the training step's activations, is below what the run's
+    features state they add (:func:`memory_needs`). The step's activations are :func:`step_floor` at the longest
+    micro-batch the flags allow (a floor, so the check never counts more than the step surely takes), kept off the
+    free memory because the features' peaks come on top of what training holds (DeepSpeed's gradient buffers, the
+    allocator's cache). Where the step alone exceeds the free memory the check warns and does not refuse: that is
+    upstream's step, whether the run reaches its longest micro-batch or not."""
     measured = [r for r in reports if r.get("free") is not None]
     if not measured:
         return "memory: not measured (no CUDA device)"
+    shape = measured[0].get("shape")
+    step = step_floor(_micro_tokens(args, "train"), **shape) if shape else 0
     worst = min(measured, key=lambda r: r["free"])
     needs = memory_needs(
-        args, worst["model_bytes"], worst["largest_param_bytes"], worst["world"], worst.get("hidden", 0)
+        args, worst["model_bytes"], worst["largest_param_bytes"], worst["world"], worst.get("hidden", 0), shape
     )
-    need = sum(needs.values())
-    if need > worst["free"]:
+    need, room = sum(needs.values()), worst["free"] - step
+    items = ", ".join(f"{k}: {v / MiB:,.0f} MiB" for k, v in sorted(needs.items(), key=lambda kv: -kv[1]))
+    step_text = (
+        f" less {step / MiB:,.0f} MiB for the training step's activations at its longest micro-batch (at least: "
+        f"logits and each layer's input, --train.micro_batch_size × --data.max_len)"
+        if step
+        else ""
+    )
+    if room < 0:
+        return (
+            f"memory: WARNING: {worst['free'] / MiB:,.0f} MiB free, below the training step's own activations at "
+            f"its longest micro-batch (at least {step / MiB:,.0f} MiB: its logits and each layer's input). Upstream's "
+            "step may run out of memory on a micro-batch that long: lower --train.micro_batch_size or "
+            f"--data.max_len, or add actor ranks (ZeRO-3). Our features state {need / MiB:,.0f} MiB more "
+            f"({items or 'none'})."
+        )
+    if need > room:
         flag = max(needs, key=needs.get)
-        items = ", ".join(f"{k}: {v / MiB:,.0f} MiB" for k, v in sorted(needs.items(), key=lambda kv: -kv[1]))
         raise SelfCheckError(
             f"start-up self-check failed (memory): an actor rank has {worst['free'] / MiB:,.0f} MiB free on its GPU "
-            f"after loading, and the run's features need {need / MiB:,.0f} MiB more at their peak ({items}). "
-            f"The largest is {flag}: reduce it, add actor ranks (ZeRO-3 divides the model), or free memory "
-            "(--actor.gradient_checkpointing_enable, a smaller --train.micro_batch_size); --selfcheck off skips this."
+            f"after loading{step_text}, {room / MiB:,.0f} MiB, and the run's features need {need / MiB:,.0f} MiB "
+            f"more at their peak ({items}). The largest is {flag}: reduce it, add actor ranks (ZeRO-3 divides the "
+            "model), or free memory (--actor.gradient_checkpointing_enable, a smaller --train.micro_batch_size); "
+            "--selfcheck off skips this."
         )
-    return f"memory: {need / MiB:,.0f} MiB stated peak of our features <= {worst['free'] / MiB:,.0f} MiB free"
+    after_step = f" after the step's {step / MiB:,.0f} MiB" if step else ""
+    return f"memory: {need / MiB:,.0f} MiB stated peak of our features <= {room / MiB:,.0f} MiB free{after_step}"
 
 
 # ------------------------------------------------------------------------------------------- engine canary

@@ -8,6 +8,7 @@ import pytest
 
 from openrlhf_ess.checks import selfcheck
 from tests.gpu.conftest import expect
+from tests.gpu.harness import available
 
 # the stated case: a 7B model in bf16 (7.0e9 parameters), its largest parameter a 152,064 x 3,584 bf16 embedding
 # (Qwen2.5-7B's), 8 actor ranks under ZeRO-3, --algo.prox_mode snapshot, the sync check on (its default 0.5)
@@ -160,4 +161,90 @@ def test_memory_measured(check, args, monkeypatch):
         e["summary"] = (
             f"{cached / MiB:,.0f} MiB cached counted as free ({free / MiB:,.0f} = {raw_free / MiB:,.0f} + "
             f"{cached / MiB:,.0f} MiB); a need between the two accepted, refused without the cache"
+        )
+
+
+def test_step_floor(check, args, deepspeed_stack):
+    """The memory check's floors of a training micro-batch and a no-grad forward (``selfcheck.step_floor`` /
+    ``logits_floor``) against what upstream's ``Actor`` (OpenRLHF) holds on this device: CUDA, a random 2-layer
+    Qwen2 of hidden 2,048, V = 151,936, bf16, one row of 4,096 tokens, the peak growth of ``max_memory_allocated``
+    over the resident model (with the device's attention and cross-entropy kernels, flash-attn's where installed);
+    CPU, 2 layers of hidden 128, V = 8,192, 2 rows of 256, torch.profiler's memory events. The floor must not exceed
+    the measurement: a floor above it would refuse runs that fit."""
+    with check("7.step_floor", "the step's and a forward's activation floors under upstream's Actor") as e:
+        e["notes"].extend(deepspeed_stack)  # openrlhf.models imports flash_attn: the shim where it is missing
+        if not (available("openrlhf") and available("deepspeed")):  # the wheel folder brings both to the image
+            pytest.skip(
+                "OpenRLHF is not installed: the floors are of upstream's Actor, whose package imports DeepSpeed "
+                "(the wheel folder brings both)"
+            )
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        cuda = args.device == "cuda"
+        hidden, vocab, rows, length = (2048, 151_936, 1, 4096) if cuda else (128, 8192, 2, 256)
+        config = Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=3 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=hidden // 128 if cuda else 4,
+            num_key_value_heads=1,
+            max_position_embeddings=length,
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(0)
+        with torch.device(args.device):
+            model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        from benchmarks.opob_full_cost import upstream_actor
+
+        actor = upstream_actor(model)
+        shape = selfcheck.memory_probe(types.SimpleNamespace(actor=actor))["shape"]
+        seq = torch.randint(1, vocab, (rows, length), generator=torch.Generator().manual_seed(0)).to(args.device)
+        att, am = torch.ones_like(seq), torch.ones(rows, length // 2, dtype=torch.bool, device=args.device)
+
+        def step():
+            params = model.parameters()
+            drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in params]
+            try:
+                actor(seq, am, att).sum().backward()
+            finally:
+                for h in drop:
+                    h.remove()
+
+        def forward():
+            with torch.no_grad():
+                actor(seq, am, att)
+
+        def peak(fn):
+            if not cuda:
+                from benchmarks.common import peak_allocated_bytes
+
+                return peak_allocated_bytes(fn)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fn()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base
+
+        measured = {"step": peak(step), "forward": peak(forward)}
+        floors = {
+            "step": selfcheck.step_floor(rows * length, **shape),
+            "forward": selfcheck.logits_floor(rows * length, shape["vocab"], shape["dtype_bytes"]),
+        }
+        e["numbers"].update(measured=measured, floors=floors, shape=shape, tokens=rows * length)
+        for name in ("step", "forward"):
+            expect(
+                e,
+                floors[name] <= measured[name],
+                f"{name}: the floor {floors[name] / MiB:,.0f} MiB exceeds the measured "
+                f"{measured[name] / MiB:,.0f} MiB",
+            )
+        e["summary"] = ", ".join(
+            f"{k}: floor {floors[k] / MiB:,.0f} MiB of measured {measured[k] / MiB:,.0f} MiB "
+            f"({floors[k] / max(measured[k], 1):.2f})"
+            for k in ("step", "forward")
         )
