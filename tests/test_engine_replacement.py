@@ -351,6 +351,7 @@ CALLS = {
     "stage_weights_from_safetensors": (b"",),
     "load_weights_from_safetensors": (b"",),
     "load_weights_from_refs": ([], False, 3),
+    "pause_if_serving": (),
 }
 
 

@@ -67,13 +67,31 @@ class StandInGroup:
 class StandInEngine:
     """An engine as the group and the sync see it: the group its workers are in, the weights it holds."""
 
-    def __init__(self, index):
+    def __init__(self, index, trainer=None):
         self.index, self.group, self.received, self.weights, self.dead = index, None, [], {}, False
-        self.flip_probe_bit, self.asked_ready = False, 0
+        self.flip_probe_bit, self.asked_ready, self.trainer = False, 0, trainer
+        self.serving, self.paused = False, False  # requests in flight; paused for a sync (pause_if_serving)
+        self.restart_when_asked = None  # a dead engine that Ray restarts as pid N when a call reaches it
+        self.asked_pause = 0
 
-    def held_weight_version(self):  # rank 0 waits for every engine to answer before it forms the group
+    def held_weight_version(self):
+        """Rank 0 asks every engine before it decides. A call that meets a dead engine is sent again by Ray to its
+        successor, which answers once its __init__ (the hello to the keeper, the kept weights) is done."""
         self.asked_ready += 1
+        if self.dead and self.restart_when_asked is not None:
+            keeper = self.trainer.keeper_impl
+            keeper.hello(self.index, self.restart_when_asked, reconstructed=True)
+            keeper.rejoined(self.index, self.restart_when_asked, version=keeper.version, seconds=1.0)
+            self.dead, self.restart_when_asked = False, None
+            self.serving, self.paused = True, False  # the calls Ray sent again run on the new, unpaused instance
         return 0
+
+    def pause_if_serving(self):
+        self.asked_pause += 1
+        if self.serving and not self.paused:
+            self.paused = True
+            self.trainer.order.append(("paused", self.index))
+        return self.paused
 
     def probe_sync_group(self, numel):
         """The engine actor's answer, one digest per worker (one worker here), once the probe has arrived: the
@@ -110,6 +128,7 @@ def _broadcast(trainer):
             trainer.die_during_broadcast = None
         if any(m.dead for m in group.members):
             raise RuntimeError("update_weight: the actor died (Ray's error)")
+        assert not any(m.serving and not m.paused for m in group.members), "a weight rewritten while it serves"
         group.broadcast(param.data, src=0)
         for member in group.members:
             member.weights[name] = member.received[-1]
@@ -135,7 +154,7 @@ def make_trainer(monkeypatch, *, max_restarts=2, cuda_ipc=False, watchdog_s=0.0)
     trainer.weight_version = 0
     trainer.prox = SimpleNamespace(after_sync=lambda version: None)
     trainer.use_cuda_ipc = cuda_ipc
-    trainer.engines = [StandInEngine(i) for i in range(2)]
+    trainer.engines = [StandInEngine(i, trainer) for i in range(2)]
     trainer.vllm_engines = [RemoteHandle(e) for e in trainer.engines]
     trainer.groups_formed, trainer.order, trainer.die_during_broadcast = 0, [], None
     keeper = engine_keeper.EngineKeeperImpl(max_restarts)
@@ -219,13 +238,34 @@ def test_a_restart_between_syncs_forms_the_group_again_with_every_engine_before_
     trainer.broadcast_to_vllm()
     second = trainer._model_update_group
     assert first.destroyed and not second.destroyed and trainer.groups_formed == 2
-    assert [e.asked_ready for e in trainer.engines] == [1, 1]  # every engine answered before the rendezvous
+    assert [e.asked_ready for e in trainer.engines] == [2, 2]  # every engine answered before each sync decided
     assert second.members == trainer.engines and len(first.sent) == len(second.sent) == 2
     ours = _trainer_state(trainer)
     for engine in trainer.engines:
         assert all(torch.equal(engine.weights[n], ours[n]) for n in ours)
     trainer.broadcast_to_vllm()
     assert trainer.groups_formed == 2
+
+
+def test_a_death_just_before_the_sync_is_found_by_asking_every_engine(monkeypatch):
+    """Engine 1 dies a moment before the sync, before Ray restarted it (the keeper has heard nothing): rank 0's
+    question reaches its successor, whose start is a restart the keeper counts, so the group is formed again and the
+    broadcast reaches both engines. The successor serves the calls Ray sent again, unpaused: it is paused before the
+    broadcast rewrites its weights, and the idle engine is left as it is. Counting the restarts before asking (the
+    earlier order) broadcast into the dead member's group: Ray's error stopped the run."""
+    trainer = make_trainer(monkeypatch)
+    _train(trainer, 0)
+    trainer.broadcast_to_vllm()
+    trainer.engines[1].dead, trainer.engines[1].restart_when_asked = True, 301
+    assert trainer.keeper_impl.used() == 0
+    _train(trainer, 1)
+    trainer.broadcast_to_vllm()
+    assert trainer.keeper_impl.used() == 1 and trainer.groups_formed == 2
+    assert trainer._model_update_group.members == trainer.engines
+    assert trainer.order[-3:] == [("kept", 2), ("paused", 1), "broadcast"]
+    assert [e.asked_pause for e in trainer.engines] == [2, 2]  # every engine asked at every sync
+    ours = _trainer_state(trainer)
+    assert all(torch.equal(trainer.engines[1].weights[n], ours[n]) for n in ours)
 
 
 def test_no_group_is_formed_again_with_cuda_ipc(monkeypatch):

@@ -83,6 +83,9 @@ class ReplacementSync:
             if not getattr(self.trainer, "use_cuda_ipc", False):
                 self.regroup_if_replaced()
                 watch.since(self._group_restarts)  # a restart the new group already holds is no death in it
+            # A restarted engine came back unpaused and may serve calls Ray sent again: paused like the others
+            # before the broadcast rewrites its layers one by one (RolloutRayActorImpl.pause_if_serving).
+            ray.get([engine.pause_if_serving.remote() for engine in self.trainer.vllm_engines])
             try:
                 broadcast()
             except Exception as error:
@@ -93,16 +96,20 @@ class ReplacementSync:
     def regroup_if_replaced(self) -> bool:
         """Rank 0, before each NCCL/gloo broadcast with replacement on: if an engine was restarted since the group
         was formed, form it again with every engine (:meth:`regroup`). A restarted engine joins no group by itself,
-        and a group with a dead member would wait forever in the broadcast. Returns whether it did."""
+        and a group with a dead member would wait forever in the broadcast. Returns whether it did.
+
+        Every engine answers first, and only then are the restarts counted. Ray holds a call to a restarting actor
+        until its ``__init__`` is done (where the new instance says hello to the keeper) and sends a call that met a
+        dead one again to its successor (``max_task_retries=-1``), so an engine that died a moment before the sync,
+        not yet restarting, is counted too; a restart that fails raises here, which stops the run with the keeper's
+        list of failures, and one that never ends is the watchdog's (``--vllm.restart_timeout_s``). The group's
+        rendezvous also needs every member started: it waits at most 300 s."""
         from openrlhf_ess.trainer.ray import engine_keeper
 
+        ray.get([engine.held_weight_version.remote() for engine in self.trainer.vllm_engines])
         restarts = ray.get(engine_keeper.find().used.remote())
         if restarts <= self._group_restarts:
             return False
-        # A restart may still be loading: the group's rendezvous waits at most 300 s for its members, so first wait
-        # until every engine answers (Ray holds a call to a restarting actor until its __init__ is done, and raises
-        # if the restart failed, which stops the run with the keeper's list of failures).
-        ray.get([engine.held_weight_version.remote() for engine in self.trainer.vllm_engines])
         self.regroup()
         self._group_restarts = restarts
         print(

@@ -510,13 +510,24 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
         if version is not None and version == self._held_set:
             checksums = await self.weight_checksums() if with_checksums else None
             return {"counts": [], "checksums": checksums, "checksum_seconds": 0.0}
-        if self.llm.output_processor.get_num_unfinished_requests() and not await self.llm.is_paused():
-            await self.pause_generation()
+        await self.pause_if_serving()
         for ref in refs[:-1]:
             await self.stage_weights_from_safetensors(await ref)
         loaded = await self.load_weights_from_safetensors(await refs[-1], with_checksums)
         self._held_set = version
         return loaded
+
+    async def pause_if_serving(self) -> bool:
+        """Before a weight sync reaches this engine (replacement on): if it serves requests and is not paused, pause it
+        as upstream's sync pauses the others (``mode="keep"``), so that no token is sampled while the weights change.
+        Only a restarted engine meets a sync that way: with partial rollouts the controller paused the dead one, and
+        the calls Ray sent again run on its unpaused successor; that sync's ``resume_generation`` resumes it after
+        the trainer told it the new version. Without partial rollouts no request is in flight during a sync. Returns
+        whether it paused."""
+        if self.llm.output_processor.get_num_unfinished_requests() and not await self.llm.is_paused():
+            await self.pause_generation()
+            return True
+        return False
 
     def _exit_if_engine_dead(self, error: BaseException) -> None:
         """Replacement on: a dead vLLM engine core (``AsyncLLM.errored``) ends this actor's process, so that Ray
@@ -631,6 +642,7 @@ ENGINE_CALLS = (
     "stage_weights_from_safetensors",
     "load_weights_from_safetensors",
     "load_weights_from_refs",
+    "pause_if_serving",
     "weight_checksums",
     "prompt_log_probs",
     "contract_sample",
