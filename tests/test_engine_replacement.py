@@ -179,6 +179,46 @@ def test_a_restart_whose_start_raises_is_closed_once_and_leaves_nothing_open(mon
     assert keeper.metrics()["faults/restarts_failed"] == 1.0
 
 
+def test_a_rejoined_engine_holds_no_ref_of_the_kept_weights():
+    """The refs a restarted engine loaded in its ``__init__`` pin the model in Ray's object store while anything
+    holds them; the engine lets them go once it has rejoined, so the keeper's next sync frees the set (at 70B, 140 GB
+    a restart would otherwise keep for the engine's life)."""
+    import asyncio
+    import gc
+    import weakref
+
+    from openrlhf_ess.trainer.ray.vllm_engine import RolloutRayActorImpl
+
+    class Ref:  # stands in for a Ray ObjectRef: what pins the object is a live reference to it
+        pass
+
+    keeper = _keeper(2)
+    keeper.hello(0, 100, reconstructed=False)
+    ref = Ref()
+    keeper.put_weights(1, [ref])
+    alive = weakref.ref(ref)
+    del ref
+    engine = object.__new__(RolloutRayActorImpl)
+    loaded = []
+
+    async def hello():
+        engine._keeper = RemoteHandleAsync(keeper)
+        return keeper.hello(0, 200, reconstructed=True)
+
+    async def start(*args, **kwargs):
+        pass
+
+    async def rejoin(told):
+        loaded.append(len(told["refs"]))
+
+    engine._hello_keeper, engine._start, engine._rejoin = hello, start, rejoin
+    asyncio.run(RolloutRayActorImpl.__init__(engine, engine_index=0, replaceable=True))
+    assert loaded == [1] and engine._restart["version"] == 1 and "refs" not in engine._restart
+    keeper.put_weights(2, [])  # the next sync replaces the kept set
+    gc.collect()
+    assert alive() is None
+
+
 class RemoteHandleAsync:
     """An actor handle as an async actor sees it: ``await handle.method.remote(...)`` runs the method at once."""
 

@@ -79,6 +79,9 @@ class RolloutRayActorImpl(upstream.ray_actor_class(_UpstreamRolloutRayActor)):
             await self._start(*args, **kwargs)
             if self._restart is not None:
                 await self._rejoin(self._restart)
+                # the kept set's refs pin the model in Ray's object store while anyone holds them: not this
+                # engine, once it has loaded them (the keeper lets them go at the next sync)
+                self._restart = {k: v for k, v in self._restart.items() if k != "refs"}
         except Exception as e:
             if self._restart is not None:
                 why = f"its start failed ({type(e).__name__}: {str(e)[:300]})"
