@@ -293,7 +293,8 @@ def test_a_death_during_the_broadcast_stops_the_run_naming_why(monkeypatch):
 
 def test_a_broadcast_left_waiting_by_a_dead_member_ends_the_rank_after_the_grace(monkeypatch, capsys):
     """The broadcast never returns (NCCL reports no dead peer inside a node) and a restart began during it: rank 0
-    ends its process --vllm.watchdog_s after it saw the restart, printing why; without a restart it waits."""
+    ends its process its grace after it saw the restart (--vllm.watchdog_s here, shorter than its own), printing
+    why; without a restart it waits."""
     exits = []
     released = threading.Event()
 
@@ -325,6 +326,29 @@ def test_a_broadcast_left_waiting_by_a_dead_member_ends_the_rank_after_the_grace
     monkeypatch.setattr(upstream_actor.ActorPPOTrainer, "broadcast_to_vllm", slow)
     trainer.broadcast_to_vllm()
     assert watched and exits == []
+
+
+def test_the_grace_after_a_death_in_the_broadcast_is_its_own_not_the_watchdogs(monkeypatch, capsys):
+    """With --vllm.watchdog_s at its 600 s default, a broadcast left waiting by a dead member ends the rank after
+    SYNC_DEATH_GRACE_S (made 0.2 s here), not after the watchdog's bound."""
+    exits = []
+    released = threading.Event()
+
+    def exit_(code):
+        exits.append(code)
+        released.set()
+
+    monkeypatch.setattr(replacement_sync.os, "_exit", exit_)
+    monkeypatch.setattr(replacement_sync, "SYNC_DEATH_GRACE_S", 0.2)
+    trainer = make_trainer(monkeypatch, watchdog_s=600.0)
+
+    def waits(self):
+        self.keeper_impl.hello(1, 301, reconstructed=True)
+        assert released.wait(timeout=30), "the rank was not ended within 30 s: the grace was the watchdog's 600 s"
+
+    monkeypatch.setattr(upstream_actor.ActorPPOTrainer, "broadcast_to_vllm", waits)
+    trainer.broadcast_to_vllm()
+    assert exits == [1] and "died during the weight sync" in capsys.readouterr().err
 
 
 def test_the_workers_leave_their_old_group_before_joining_the_new_one(monkeypatch):

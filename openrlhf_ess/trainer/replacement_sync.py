@@ -73,13 +73,15 @@ class ReplacementSync:
         An engine that dies *during* it cannot be replaced within it: its peers wait in the collective for data it
         never takes (NCCL reports no dead peer inside a node), and the caller's ``ray.get`` may never return. So
         rank 0 watches the keeper meanwhile (:class:`_RestartDuringSync`): the broadcast failing after a restart
-        began raises the named error; still running ``--vllm.watchdog_s`` after it, the rank ends its process with
-        the same words, so the run stops instead of hanging."""
+        began raises the named error; still running :data:`SYNC_DEATH_GRACE_S` after it (or ``--vllm.watchdog_s``,
+        if shorter), the rank ends its process with the same words, so the run stops instead of hanging with idle
+        GPUs."""
         self.keep_for_restarts()
         if torch.distributed.get_rank() != 0:
             broadcast()
             return
-        with _RestartDuringSync(self, float(getattr(self.args.vllm, "watchdog_s", 0) or 0)) as watch:
+        watchdog_s = float(getattr(self.args.vllm, "watchdog_s", 0) or 0)
+        with _RestartDuringSync(self, min(watchdog_s, SYNC_DEATH_GRACE_S)) as watch:
             if not getattr(self.trainer, "use_cuda_ipc", False):
                 self.regroup_if_replaced()
                 watch.since(self._group_restarts)  # a restart the new group already holds is no death in it
@@ -245,3 +247,7 @@ class _RestartDuringSync:
 
 
 RESTART_POLL_S = 2.0  # how often rank 0 asks the keeper during an NCCL/gloo sync with replacement on
+# How long a broadcast may go on after one of its engines began a restart before rank 0 ends the run: no broadcast
+# completes without a member that died in it, so this only lets one that was already ending end (a 70B model's
+# broadcast over NVLink takes seconds), and keeps the GPUs from idling --vllm.watchdog_s (600 s by default) for it.
+SYNC_DEATH_GRACE_S = 60.0
