@@ -7,6 +7,7 @@ DeepSpeed and psutil inside the functions that need them."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
@@ -105,6 +106,18 @@ def peak_allocated_bytes(fn) -> int:
         (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
     )
     return max(itertools.accumulate(n for _, n in events), default=0)
+
+
+@contextlib.contextmanager
+def gradients_dropped(model):
+    """Inside: each parameter's gradient dropped as soon as it accumulates, as ZeRO-3 reduces and partitions each one
+    as it comes, so a backward's peak is its activations and logits, not a full set of gradients."""
+    drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for h in drop:
+            h.remove()
 
 
 def write_table(module: str, setting: str, lines: List[str], out) -> None:

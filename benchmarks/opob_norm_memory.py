@@ -74,18 +74,14 @@ def log_prob_sums(model, seq):
 def peaks(model, rows: int, length: int) -> dict:
     import torch
 
-    from benchmarks.common import peak_allocated_bytes
+    from benchmarks.common import gradients_dropped, peak_allocated_bytes
     from openrlhf_ess.trainer import opob
 
     seq = torch.randint(0, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(1))
 
     def step():
-        drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
-        try:
+        with gradients_dropped(model):
             log_prob_sums(model, seq).sum().backward()
-        finally:
-            for h in drop:
-                h.remove()
 
     def norm_pass():
         opob.model_sq_grad_norms(model, lambda: log_prob_sums(model, seq))

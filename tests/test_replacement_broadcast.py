@@ -291,18 +291,24 @@ def test_a_death_during_the_broadcast_stops_the_run_naming_why(monkeypatch):
         trainer.broadcast_to_vllm()
 
 
-def test_a_broadcast_left_waiting_by_a_dead_member_ends_the_rank_after_the_grace(monkeypatch, capsys):
-    """The broadcast never returns (NCCL reports no dead peer inside a node) and a restart began during it: rank 0
-    ends its process its grace after it saw the restart (--vllm.watchdog_s here, shorter than its own), printing
-    why; without a restart it waits."""
-    exits = []
-    released = threading.Event()
+@pytest.fixture
+def ended_rank(monkeypatch):
+    """os._exit of the watcher that ends rank 0, recorded instead: (the exit codes, an event set at the first)."""
+    exits, released = [], threading.Event()
 
     def exit_(code):
         exits.append(code)
         released.set()
 
     monkeypatch.setattr(replacement_sync.os, "_exit", exit_)
+    return exits, released
+
+
+def test_a_broadcast_left_waiting_by_a_dead_member_ends_the_rank_after_the_grace(monkeypatch, capsys, ended_rank):
+    """The broadcast never returns (NCCL reports no dead peer inside a node) and a restart began during it: rank 0
+    ends its process its grace after it saw the restart (--vllm.watchdog_s here, shorter than its own), printing
+    why; without a restart it waits."""
+    exits, released = ended_rank
     trainer = make_trainer(monkeypatch, watchdog_s=0.2)
 
     def waits(self):
@@ -328,17 +334,10 @@ def test_a_broadcast_left_waiting_by_a_dead_member_ends_the_rank_after_the_grace
     assert watched and exits == []
 
 
-def test_the_grace_after_a_death_in_the_broadcast_is_its_own_not_the_watchdogs(monkeypatch, capsys):
+def test_the_grace_after_a_death_in_the_broadcast_is_its_own_not_the_watchdogs(monkeypatch, capsys, ended_rank):
     """With --vllm.watchdog_s at its 600 s default, a broadcast left waiting by a dead member ends the rank after
     SYNC_DEATH_GRACE_S (made 0.2 s here), not after the watchdog's bound."""
-    exits = []
-    released = threading.Event()
-
-    def exit_(code):
-        exits.append(code)
-        released.set()
-
-    monkeypatch.setattr(replacement_sync.os, "_exit", exit_)
+    exits, released = ended_rank
     monkeypatch.setattr(replacement_sync, "SYNC_DEATH_GRACE_S", 0.2)
     trainer = make_trainer(monkeypatch, watchdog_s=600.0)
 

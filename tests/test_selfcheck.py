@@ -209,36 +209,16 @@ def test_the_floors_hold_under_upstreams_actor(dtype):
     least a fifth (step) and two fifths (forward) of its measurement, so a floor that lost its logits fails."""
     import torch
 
-    from benchmarks.common import peak_allocated_bytes
-    from benchmarks.opob_full_cost import upstream_actor
-    from benchmarks.opob_norm_memory import build
+    from tests.helpers.actor_memory import measured_and_floors, qwen2
 
-    model = build(2, hidden=128, vocab=8192, max_len=256)
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    actor = upstream_actor(model)
-    report = selfcheck.memory_probe(types.SimpleNamespace(actor=actor))
-    shape = report["shape"]
+    model = qwen2(2, 128, 8192, 4, 256, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    measured, floors, shape = measured_and_floors(model, rows=2, length=256)
     assert shape == {"vocab": 8192, "layers": 2, "hidden_size": 128, "dtype_bytes": 2 if dtype == "bf16" else 4}
-    rows, length, actions = 2, 256, 128
-    seq = torch.randint(1, 8192, (rows, length), generator=torch.Generator().manual_seed(0))
-    att, am = torch.ones_like(seq), torch.ones(rows, actions, dtype=torch.bool)
-
-    def step():
-        drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in model.parameters()]
-        try:
-            actor(seq, am, att).sum().backward()
-        finally:
-            for h in drop:
-                h.remove()
-
-    def forward():
-        with torch.no_grad():
-            actor(seq, am, att)
-
-    measured_step, measured_forward = peak_allocated_bytes(step), peak_allocated_bytes(forward)
-    floor_step = selfcheck.step_floor(rows * length, **shape)
-    floor_forward = selfcheck.logits_floor(rows * length, shape["vocab"], shape["dtype_bytes"])
+    assert floors == {  # by hand: 512 tokens
+        "step": 512 * 8192 * (6 if dtype == "bf16" else 4) + 2 * 512 * 128 * (2 if dtype == "bf16" else 4),
+        "forward": 512 * 8192 * (6 if dtype == "bf16" else 4),
+    }
+    (measured_step, measured_forward), (floor_step, floor_forward) = measured.values(), floors.values()
     print(dtype, {"step": (measured_step, floor_step), "forward": (measured_forward, floor_forward)})
     assert floor_step <= measured_step <= 5 * floor_step
     assert floor_forward <= measured_forward <= 2.5 * floor_forward

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from benchmarks.common import gradients_dropped
 from openrlhf_ess.trainer import opob
 from tests.gpu.conftest import expect
 from tests.helpers.tiny_qwen2 import tiny_qwen2
@@ -101,13 +102,8 @@ def test_opob_full_norm_cost(check, args, shape, actions):
             model.zero_grad(set_to_none=True)
 
         def step_zero3():  # ZeRO-3's footprint: each gradient reduced and dropped as it accumulates
-            params = model.parameters()
-            drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in params]
-            try:
+            with gradients_dropped(model):
                 _log_prob_sums(model, seq, actions).sum().backward()
-            finally:
-                for h in drop:
-                    h.remove()
 
         def full():
             opob.model_sq_grad_norms(model, lambda: _log_prob_sums(model, seq, actions))

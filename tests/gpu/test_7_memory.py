@@ -179,62 +179,13 @@ def test_step_floor(check, args, deepspeed_stack):
                 "(the wheel folder brings both)"
             )
         import torch
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from tests.helpers.actor_memory import measured_and_floors, qwen2
 
         cuda = args.device == "cuda"
         hidden, vocab, rows, length = (2048, 151_936, 1, 4096) if cuda else (128, 8192, 2, 256)
-        config = Qwen2Config(
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=3 * hidden,
-            num_hidden_layers=2,
-            num_attention_heads=hidden // 128 if cuda else 4,
-            num_key_value_heads=1,
-            max_position_embeddings=length,
-            tie_word_embeddings=False,
-        )
-        torch.manual_seed(0)
-        with torch.device(args.device):
-            model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        from benchmarks.opob_full_cost import upstream_actor
-
-        actor = upstream_actor(model)
-        shape = selfcheck.memory_probe(types.SimpleNamespace(actor=actor))["shape"]
-        seq = torch.randint(1, vocab, (rows, length), generator=torch.Generator().manual_seed(0)).to(args.device)
-        att, am = torch.ones_like(seq), torch.ones(rows, length // 2, dtype=torch.bool, device=args.device)
-
-        def step():
-            params = model.parameters()
-            drop = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in params]
-            try:
-                actor(seq, am, att).sum().backward()
-            finally:
-                for h in drop:
-                    h.remove()
-
-        def forward():
-            with torch.no_grad():
-                actor(seq, am, att)
-
-        def peak(fn):
-            if not cuda:
-                from benchmarks.common import peak_allocated_bytes
-
-                return peak_allocated_bytes(fn)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fn()
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - base
-
-        measured = {"step": peak(step), "forward": peak(forward)}
-        floors = {
-            "step": selfcheck.step_floor(rows * length, **shape),
-            "forward": selfcheck.logits_floor(rows * length, shape["vocab"], shape["dtype_bytes"]),
-        }
+        model = qwen2(2, hidden, vocab, hidden // 128 if cuda else 4, length, args.device, torch.bfloat16)
+        measured, floors, shape = measured_and_floors(model, rows, length, args.device)
         e["numbers"].update(measured=measured, floors=floors, shape=shape, tokens=rows * length)
         for name in ("step", "forward"):
             expect(
