@@ -19,12 +19,18 @@ fi
 if [ "$#" -gt 0 ] && [ "$1" != "--default" ]; then
     exec "${PYTEST[@]}" "$@"
 fi
+busy() { # the machine's busy core-seconds so far (/proc/stat: every core, all but idle and iowait)
+    awk -v hz="$(getconf CLK_TCK)" '/^cpu /{print int(($2 + $3 + $4 + $7 + $8 + $9) / hz)}' /proc/stat
+}
 start=$SECONDS
+cores=$(nproc)
+was=$(busy)
 "${PYTEST[@]}" --durations=25 # the default suite (pytest.ini: not slow, not gpu, not stack); the slowest 25 named
-echo "[test.sh] default suite: $((SECONDS - start)) s"
+echo "[test.sh] default suite: $((SECONDS - start)) s, $(($(busy) - was)) busy core-s of $cores cores"
 if [ "${1:-}" = "--default" ]; then
     exit 0
 fi
 start=$SECONDS
+was=$(busy)
 "${PYTEST[@]}" -m stack --durations=25 # the real-stack feature runs; CI runs them too
-echo "[test.sh] stack tier: $((SECONDS - start)) s"
+echo "[test.sh] stack tier: $((SECONDS - start)) s, $(($(busy) - was)) busy core-s of $cores cores"
