@@ -531,11 +531,15 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
         f"{start_value:.3f} (– never). To 0.9×: the first eval step at ≥ 0.9 × sync's mean final ({target:.3f}; "
         f"sync's seeds reached it at {cell(sync_to, str) or 'never'}); r = its mean over sync's. k1 and ESS/B: means "
         "over steps K + 1 on. One step's k1: at step 2, whose batch the initial weights sampled (the first K batches "
-        "come from them) and the weights after one optimizer step score: how far one step moves the policy.",
+        "come from them) and the weights after one optimizer step score: how far one step moves the policy. Final "
+        "gain: (final − start) over sync's of the same seed, final = the mean of the last two evals: the anchors' "
+        "measure (their tables compare final scores), blind to the K steps by which a lag delays everything, where "
+        "the AUC's gain counts them.",
         "",
-        "| configuration | K (versions / optimizer steps) | seeds | gain × sync's, per seed | below start at step | "
-        "to 0.9× sync's final (steps) | r | k1(μ‖π_prox), per seed | ESS/B, per seed | one step's k1, per seed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | K (versions / optimizer steps) | seeds | gain × sync's, per seed | final gain × sync's, "
+        "per seed | below start at step | to 0.9× sync's final (steps) | r | k1(μ‖π_prox), per seed | ESS/B, per seed "
+        "| one step's k1, per seed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, runs in keyed:
         runs = sorted(runs, key=lambda r: r["seed"])
@@ -544,6 +548,12 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
         unit = f"{k} / {k * next(iter(per_version))}" if len(per_version) == 1 else f"{k} / mixed"
         gains = [
             ratio(auc_steps(r, steps) - start_value, auc_steps(sync[r["seed"]], steps) - start_value)
+            if r["seed"] in sync
+            else None
+            for r in runs
+        ]
+        finals = [
+            ratio(final_acc(r, steps=steps) - start_value, final_acc(sync[r["seed"]], steps=steps) - start_value)
             if r["seed"] in sync
             else None
             for r in runs
@@ -558,6 +568,7 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
             unit,
             str(len(runs)),
             cell(gains, lambda g: f"{g:.2f}".replace("-", "−")),
+            cell(finals, lambda g: f"{g:.2f}".replace("-", "−")),
             cell([first_below(r, start_value) for r in runs], str),
             cell(to, str),
             "–" if r_cost is None else f"{r_cost:.2f}",

@@ -511,10 +511,22 @@ def test_the_lag_table_per_seed_worked_by_hand():
     text = "\n".join(rlvr_grid.lag_table(results, 0.2, [25, 50]))
     # sync reached 0.36 at step 50, so r = 50 / 50 = 1.00; steps 17-50 give the k1 and ESS/B means; step 2's k1 is
     # one step's
-    assert "| stale k16: TIS | 16 / 32 | 1 | 0.75 | – | 50 | 1.00 | 0.500 | 0.800 | 0.070 |" in text
-    assert "| stale k16: none | 16 / 16 | 1 | −0.38 | 25 | – | – | – | – | – |" in text
+    # final gain: the mean of the last two evals less the start, over sync's: (0.35 − 0.2) / (0.4 − 0.2) = 0.75 and
+    # (0.125 − 0.2) / 0.2 = −0.375
+    assert "| stale k16: TIS | 16 / 32 | 1 | 0.75 | 0.75 | – | 50 | 1.00 | 0.500 | 0.800 | 0.070 |" in text
+    assert "| stale k16: none | 16 / 16 | 1 | −0.38 | −0.38 | 25 | – | – | – | – | – |" in text
     assert "0.9 × sync's mean final (0.360; sync's seeds reached it at 50)" in text
     assert rlvr_grid.lag_table({"sync | none": [sync]}, 0.2, [25, 50]) == []  # no row set a lag
+
+
+def test_the_lag_tables_final_gain_is_the_last_two_evals_not_the_area():
+    """A run that starts late and ends close: start 0.2; sync 0.3, 0.4, 0.6 (AUC gain 0.233, final gain over the last
+    two 0.3); the lagged run 0.2, 0.3, 0.6 (AUC gain 0.167: 0.71×; final gain 0.25: 0.83×)."""
+    sync = _run([(25, 10.0, 0.3), (50, 20.0, 0.4), (75, 30.0, 0.6)])
+    late = _run([(25, 10.0, 0.2), (50, 20.0, 0.3), (75, 30.0, 0.6)])
+    late["flags"] = ["--train.stale_k", "16"]
+    text = "\n".join(rlvr_grid.lag_table({"sync | none": [sync], "stale k16 | TIS": [late]}, 0.2, [25, 50, 75]))
+    assert "| stale k16: TIS | 16 / 16 | 1 | 0.71 | 0.83 |" in text
 
 
 def test_each_run_records_the_dtypes_its_flags_ask_for():
