@@ -502,6 +502,23 @@ def curve_at(run: Dict, name: str, step: int) -> Optional[float]:
     return next((v for s, v in (run.get("curves") or {}).get(name, []) if s == step), None)
 
 
+def delayed(run: Dict, k: int, start_value: float, steps: List[int]) -> Dict:
+    """``run`` as if everything it did came ``k`` optimizer steps later: its eval curve (the start's value at step 0,
+    straight lines between evals) read at each eval step less ``k``, the start before step 0. A reference for a lag
+    of K steps, not a run: what a pure delay of sync by K steps would keep of its gain."""
+    points = [(0, start_value)] + [(int(e[0]), e[3]) for e in run["eval"] if int(e[0]) in steps]
+
+    def at(step: float) -> float:
+        if step <= 0:
+            return start_value
+        for (a, va), (b, vb) in zip(points, points[1:]):
+            if a <= step <= b:
+                return va + (vb - va) * (step - a) / (b - a)
+        return points[-1][1]
+
+    return {**run, "eval": [[s, None, None, at(s - k)] for s, _ in points[1:]]}
+
+
 def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[int]) -> List[str]:
     """The rows run at a lag set exactly (--train.stale_k), each seed against sync's run of the same seed: the gain
     over the start as a multiple of sync's, the step where the run first fell below the start, the steps to 0.9×
@@ -534,7 +551,8 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
         "come from them) and the weights after one optimizer step score: how far one step moves the policy. Final "
         "gain: (final − start) over sync's of the same seed, final = the mean of the last two evals: the anchors' "
         "measure (their tables compare final scores), blind to the K steps by which a lag delays everything, where "
-        "the AUC's gain counts them.",
+        "the AUC's gain counts them. Sync delayed K steps: sync's own curve read K steps late (straight lines between "
+        "its evals), a reference, not a run: what a lag costs if it only delays.",
         "",
         "| configuration | K (versions / optimizer steps) | seeds | gain × sync's, per seed | final gain × sync's, "
         "per seed | below start at step | to 0.9× sync's final (steps) | r | k1(μ‖π_prox), per seed | ESS/B, per seed "
@@ -576,6 +594,15 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
             cell([curve_mean(r, "ess_frac", k + 1) for r in runs], lambda v: f"{v:.3f}"),
             cell([curve_at(r, "k1_mu_prox", 2) for r in runs], lambda v: f"{v:.3f}"),
         ]
+        lines.append("| " + " | ".join(cells) + " |")
+    for k in sorted({stale_k_of(runs[0]) * steps_per_version(runs[0]) for _, runs in keyed}):
+        pairs = [(delayed(r, k, start_value, steps), r) for r in sorted(sync.values(), key=lambda r: r["seed"])]
+        gains = [ratio(auc_steps(d, steps) - start_value, auc_steps(r, steps) - start_value) for d, r in pairs]
+        finals = [
+            ratio(final_acc(d, steps=steps) - start_value, final_acc(r, steps=steps) - start_value) for d, r in pairs
+        ]
+        cells = [f"sync delayed {k} steps (computed)", f"– / {k}", str(len(pairs))]
+        cells += [cell(gains, lambda g: f"{g:.2f}"), cell(finals, lambda g: f"{g:.2f}")] + ["–"] * 6
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

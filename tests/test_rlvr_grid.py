@@ -516,6 +516,10 @@ def test_the_lag_table_per_seed_worked_by_hand():
     assert "| stale k16: TIS | 16 / 32 | 1 | 0.75 | 0.75 | – | 50 | 1.00 | 0.500 | 0.800 | 0.070 |" in text
     assert "| stale k16: none | 16 / 16 | 1 | −0.38 | −0.38 | 25 | – | – | – | – | – |" in text
     assert "0.9 × sync's mean final (0.360; sync's seeds reached it at 50)" in text
+    # sync read 16 steps late: 0.2 + 0.1 · 9/25 = 0.236 at 25, 0.3 + 0.2 · 9/25 = 0.372 at 50, AUC gain 0.104: 0.52×;
+    # 32 late (the TIS row's 16 versions of 2 steps): 0.2 at 25, 0.2 + 0.1 · 18/25 = 0.272 at 50: 0.036 / 0.2 = 0.18×
+    assert "| sync delayed 16 steps (computed) | – / 16 | 1 | 0.52 | 0.52 | – |" in text
+    assert "| sync delayed 32 steps (computed) | – / 32 | 1 | 0.18 | 0.18 | – |" in text
     assert rlvr_grid.lag_table({"sync | none": [sync]}, 0.2, [25, 50]) == []  # no row set a lag
 
 
