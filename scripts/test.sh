@@ -23,7 +23,7 @@ busy() { # the machine's busy core-seconds so far (/proc/stat: every core, all b
     awk -v hz="$(getconf CLK_TCK)" '/^cpu /{print int(($2 + $3 + $4 + $7 + $8 + $9) / hz)}' /proc/stat
 }
 start=$SECONDS
-cores=$(nproc)
+cores=$(getconf _NPROCESSORS_ONLN) # not nproc, which OMP_NUM_THREADS=1 (env_cpu.sh) turns into 1
 was=$(busy)
 "${PYTEST[@]}" --durations=25 # the default suite (pytest.ini: not slow, not gpu, not stack); the slowest 25 named
 echo "[test.sh] default suite: $((SECONDS - start)) s, $(($(busy) - was)) busy core-s of $cores cores"
