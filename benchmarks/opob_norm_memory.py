@@ -36,10 +36,12 @@ def build(
     head_dim: int = 32,
     kv_heads: int = 1,
     max_len: int = 4096,
+    device: str = "cpu",
+    dtype=None,
     **extra,
 ):
-    """A random untied Qwen2 (I = 3H), in training mode with non-re-entrant checkpointing (upstream's default);
-    ``extra`` goes to its config (e.g. ``attn_implementation``)."""
+    """A random untied Qwen2 (I = 3H), in training mode with non-re-entrant checkpointing (upstream's default), on
+    ``device`` in ``dtype`` (fp32 by default); ``extra`` goes to its config (e.g. ``attn_implementation``)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -55,7 +57,7 @@ def build(
         **extra,
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(config).to(device=device, dtype=dtype or torch.float32)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model

@@ -539,6 +539,19 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
     def cell(values, fmt):
         return ", ".join("–" if v is None else fmt(v) for v in values)
 
+    def auc(run):
+        return auc_steps(run, steps)
+
+    def final(run):
+        return final_acc(run, steps=steps)
+
+    def gain(measure, run, reference):
+        """``run``'s gain over the start by ``measure`` as a multiple of ``reference``'s."""
+        return ratio(measure(run) - start_value, measure(reference) - start_value)
+
+    def signed(g):
+        return f"{g:.2f}".replace("-", "−")
+
     lines = [
         "",
         "## At a lag set exactly (--train.stale_k), per seed",
@@ -564,18 +577,8 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
         k = stale_k_of(runs[0])
         per_version = {steps_per_version(r) for r in runs}
         unit = f"{k} / {k * next(iter(per_version))}" if len(per_version) == 1 else f"{k} / mixed"
-        gains = [
-            ratio(auc_steps(r, steps) - start_value, auc_steps(sync[r["seed"]], steps) - start_value)
-            if r["seed"] in sync
-            else None
-            for r in runs
-        ]
-        finals = [
-            ratio(final_acc(r, steps=steps) - start_value, final_acc(sync[r["seed"]], steps=steps) - start_value)
-            if r["seed"] in sync
-            else None
-            for r in runs
-        ]
+        gains = [gain(auc, r, sync[r["seed"]]) if r["seed"] in sync else None for r in runs]
+        finals = [gain(final, r, sync[r["seed"]]) if r["seed"] in sync else None for r in runs]
         to = [steps_to(r, target) for r in runs]
         reached = [x for x in to if x is not None]
         r_cost = (
@@ -585,8 +588,8 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
             key.replace(" | ", ": "),
             unit,
             str(len(runs)),
-            cell(gains, lambda g: f"{g:.2f}".replace("-", "−")),
-            cell(finals, lambda g: f"{g:.2f}".replace("-", "−")),
+            cell(gains, signed),
+            cell(finals, signed),
             cell([first_below(r, start_value) for r in runs], str),
             cell(to, str),
             "–" if r_cost is None else f"{r_cost:.2f}",
@@ -597,12 +600,8 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
         lines.append("| " + " | ".join(cells) + " |")
     for k in sorted({stale_k_of(runs[0]) * steps_per_version(runs[0]) for _, runs in keyed}):
         pairs = [(delayed(r, k, start_value, steps), r) for r in sorted(sync.values(), key=lambda r: r["seed"])]
-        gains = [ratio(auc_steps(d, steps) - start_value, auc_steps(r, steps) - start_value) for d, r in pairs]
-        finals = [
-            ratio(final_acc(d, steps=steps) - start_value, final_acc(r, steps=steps) - start_value) for d, r in pairs
-        ]
         cells = [f"sync delayed {k} steps (computed)", f"– / {k}", str(len(pairs))]
-        cells += [cell(gains, lambda g: f"{g:.2f}"), cell(finals, lambda g: f"{g:.2f}")] + ["–"] * 6
+        cells += [cell([gain(measure, d, r) for d, r in pairs], signed) for measure in (auc, final)] + ["–"] * 6
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -209,9 +209,11 @@ def test_the_floors_hold_under_upstreams_actor(dtype):
     least a fifth (step) and two fifths (forward) of its measurement, so a floor that lost its logits fails."""
     import torch
 
-    from tests.helpers.actor_memory import measured_and_floors, qwen2
+    from benchmarks.opob_norm_memory import build
+    from tests.helpers.actor_memory import measured_and_floors
 
-    model = qwen2(2, 128, 8192, 4, 256, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    dtype_ = torch.bfloat16 if dtype == "bf16" else torch.float32
+    model = build(2, hidden=128, vocab=8192, max_len=256, attn_implementation="sdpa", dtype=dtype_)
     measured, floors, shape = measured_and_floors(model, rows=2, length=256)
     assert shape == {"vocab": 8192, "layers": 2, "hidden_size": 128, "dtype_bytes": 2 if dtype == "bf16" else 4}
     assert floors == {  # by hand: 512 tokens

@@ -180,11 +180,13 @@ def test_step_floor(check, args, deepspeed_stack):
             )
         import torch
 
-        from tests.helpers.actor_memory import measured_and_floors, qwen2
+        from benchmarks.opob_norm_memory import build
+        from tests.helpers.actor_memory import measured_and_floors
 
         cuda = args.device == "cuda"
-        hidden, vocab, rows, length = (2048, 151_936, 1, 4096) if cuda else (128, 8192, 2, 256)
-        model = qwen2(2, hidden, vocab, hidden // 128 if cuda else 4, length, args.device, torch.bfloat16)
+        hidden, head_dim, vocab, rows, length = (2048, 128, 151_936, 1, 4096) if cuda else (128, 32, 8192, 2, 256)
+        sdpa = {"attn_implementation": "sdpa"}
+        model = build(2, hidden, vocab, head_dim, max_len=length, device=args.device, dtype=torch.bfloat16, **sdpa)
         measured, floors, shape = measured_and_floors(model, rows, length, args.device)
         e["numbers"].update(measured=measured, floors=floors, shape=shape, tokens=rows * length)
         for name in ("step", "forward"):

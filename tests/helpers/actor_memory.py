@@ -7,30 +7,6 @@ import types
 from typing import Dict, Tuple
 
 
-def qwen2(layers: int, hidden: int, vocab: int, heads: int, length: int, device: str = "cpu", dtype=None):
-    """A random untied Qwen2 (I = 3H, one key-value head, sdpa) on ``device``, gradient checkpointing on, training
-    mode, as upstream's actor trains it."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=1,
-        max_position_embeddings=length,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=dtype or torch.float32)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
-
-
 def peak_bytes(fn, device: str) -> int:
     """Peak memory growth while ``fn`` runs: CUDA's ``max_memory_allocated`` over what was allocated before; on the
     CPU torch.profiler's memory events (``benchmarks.common.peak_allocated_bytes``)."""
