@@ -206,28 +206,44 @@ def _hf_check(audit: str, model_dir: str):
 
 
 @pytest.mark.stack
-def test_bypass_through_the_cli_is_exact_at_lag_0(tiny_world, tmp_path):
+def test_bypass_through_the_cli_is_exact_at_lag_0_and_takes_the_baseline_over_whole_model_norms(tiny_world, tmp_path):
     """On the real stack (vLLM CPU fp32 + DeepSpeed fp32, async + partial rollouts): the
-    π_prox the loss used is μ (no actor forward in make-experience), and μ equals HF's log-prob of each
+    π_prox the loss used is μ (no recompute forward in make-experience), and μ equals HF's log-prob of each
     sampled token under the weights of that token's version to 1e-4; for lag-0 tokens those are the weights
     the batch's first optimizer step starts from, so its PPO ratio π_θ/π_prox is 1 to 1e-4 per token.
 
     Except the first response token: upstream samples it with EOS banned (min_tokens=1), so μ there is the
     renormalised log π(a) - log(1 - π(EOS)) (checked to 1e-4) and the ratio is 1 - π(EOS), a truncated support
-    that the sampling mask removes (docs/prox_modes.md, docs/sampling_mask.md)."""
+    that the sampling mask removes (docs/prox_modes.md, docs/sampling_mask.md).
+
+    The same run takes the optimal baseline over every parameter's norm (``--algo.advantage.baseline opob
+    --algo.advantage.opob_norm full``, GRPO's group_norm estimator): the actor's make-experience forward, which
+    bypass otherwise skips, runs for the norms alone, so π_prox stays μ (no recompute forward counted, k1 = 0, μ
+    exact above), and every step logs a baseline inside the rewards' range from positive, unequal norms. One run
+    for both: each CLI run costs the suite about two minutes of start-up (docs/tests.md)."""
     from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=16)
-    for flag, value in (("--rollout.max_new_tokens", "48"), ("--data.max_len", "80")):
+    for flag, value in (
+        ("--rollout.max_new_tokens", "48"),
+        ("--data.max_len", "80"),
+        ("--algo.advantage.estimator", "group_norm"),
+    ):
         args[args.index(flag) + 1] = value
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--ds.param_dtype", "fp32"]
     flags += ["--vllm.dtype", "float32", "--algo.prox_mode", "bypass", "--algo.prox_audit_dir", audit]
+    flags += ["--algo.advantage.baseline", "opob", "--algo.advantage.opob_norm", "full"]
     rc, log = run_cli(args + flags, run_dir)
     assert rc == 0, log[-5000:]
     tb = read_tensorboard(run_dir)
     assert [v for _, v in tb["train/prox/recompute_forwards"]] == [0.0, 0.0]  # the forward was skipped
     assert [v for _, v in tb["train/mismatch/k1"]] == [0.0, 0.0]  # π_prox = μ by construction
+    # the baseline over whole-model norms, from the norms-only forward
+    assert len(tb["train/opob/baseline"]) == 2
+    assert all(0 <= v <= 1 for _, v in tb["train/opob/baseline"])  # digit-fraction rewards are in [0, 1]
+    assert all(v > 0 for _, v in tb["train/opob/grad_norm_mean"])
+    assert all(v > 0 for _, v in tb["train/opob/grad_norm_rel_spread"])
 
     tokens, lag0, worst_rest, worst_first, first_gap = _hf_check(audit, tiny_world["model"])
     print(

@@ -352,34 +352,3 @@ def test_the_recipe_trains_through_the_cli(tiny_world, tmp_path):
     assert all(0 <= v <= 1 for _, v in tb["train/opob/baseline"])  # digit-fraction rewards are in [0, 1]
     assert all(v > 0 for _, v in tb["train/opob/grad_norm_mean"])
     assert len(tb["train/policy_loss"]) == steps and all(abs(v) < 1e3 for _, v in tb["train/policy_loss"])
-
-
-@pytest.mark.stack
-def test_the_baseline_under_bypass_with_whole_model_norms_trains_through_the_cli(tiny_world, tmp_path):
-    """π_prox = μ (--algo.prox_mode bypass) with the optimal baseline over every parameter's norm, async with
-    partial rollouts: the actor's make-experience forward runs for the norms alone (π_prox stays μ: no recompute
-    forward counted), and every step logs a baseline inside the rewards' range from positive, unequal norms."""
-    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
-
-    run_dir = str(tmp_path)
-    args = tiny_args(tiny_world, run_dir, steps_prompts=16)
-    at = args.index("--algo.advantage.estimator")
-    args[at + 1] = "group_norm"
-    flags = [
-        "--train.async_enable",
-        "--train.partial_rollout_enable",
-        "--algo.prox_mode",
-        "bypass",
-        "--algo.advantage.baseline",
-        "opob",
-        "--algo.advantage.opob_norm",
-        "full",
-    ]
-    rc, log = run_cli(args + flags, run_dir)
-    assert rc == 0, log[-5000:]
-    tb = read_tensorboard(run_dir)
-    assert len(tb["train/opob/baseline"]) == 2
-    assert all(0 <= v <= 1 for _, v in tb["train/opob/baseline"])  # digit-fraction rewards are in [0, 1]
-    assert all(v > 0 for _, v in tb["train/opob/grad_norm_mean"])
-    assert all(v > 0 for _, v in tb["train/opob/grad_norm_rel_spread"])
-    assert all(v == 0 for _, v in tb["train/prox/recompute_forwards"])
