@@ -493,8 +493,9 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     if mode == "interrupt":
         # The resumed run is the default suite's exact-π_prox async pipeline run: the checks of
         # tests/test_prox_modes.py::test_exact_modes_through_the_whole_async_partial_pipeline, whose own interrupt run
-        # is in the stack tier. Every stale token scored at the sync that retired its version, in-flight prefixes
-        # included; recompute (the current weights) would differ, so the test can fail.
+        # is slow (the stack tier's broadcast run checks the same over upstream's broadcast). Every stale token
+        # scored at the sync that retired its version, in-flight prefixes included; recompute (the current
+        # weights) would differ, so the test can fail.
         tb = read_tensorboard(run_dir)
         # the resumed run logged the steps after the loaded checkpoint, to the end (tests/test_prox_modes.py::
         # test_killed_between_steps_resumes_exactly, slow, checks the same after a kill at step 2)
