@@ -5,7 +5,8 @@
 #   bash scripts/test.sh --default  # the default suite only (the fault tests inside)
 #   bash scripts/test.sh -m slow    # any pytest arguments: one pytest command with them (e.g. -m slow, -m stack, a file)
 # Every command runs on two pytest-xdist workers (--dist loadgroup): the tests that start a Ray instance or the CLI
-# run one at a time on one of them (tests/conftest.py, the "real-stack" group), the rest on the other.
+# run one at a time on one of them (tests/conftest.py, the "real-stack" group), the rest on the other. The stack
+# tier, all of it in that group, runs in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env_cpu.sh
@@ -32,5 +33,7 @@ if [ "${1:-}" = "--default" ]; then
 fi
 start=$SECONDS
 was=$(busy)
-"${PYTEST[@]}" -m stack --durations=25 # the real-stack feature runs; CI runs them too
+# the real-stack feature runs (CI runs them too), in one process: they are all in the real-stack group, one at a
+# time on one worker, so a second worker would only repeat the collection's imports
+python -m pytest -ra -p no:xdist -m stack --durations=25
 echo "[test.sh] stack tier: $((SECONDS - start)) s, $(($(busy) - was)) busy core-s of $cores cores"
