@@ -149,6 +149,8 @@ def pytest_collection_modifyitems(config, items):
             "two workers contend for Ray's fixed ports; tests/conftest.py): " + ", ".join(missing[:10])
         )
     grouping = getattr(config.option, "loadgroup", False)  # an xdist worker under --dist loadgroup
+    if not config.pluginmanager.hasplugin("xdist"):  # -p no:xdist (the stack tier): one process, no groups
+        return
     for item in items:
         group = None
         if in_real_stack_group(item):

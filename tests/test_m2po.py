@@ -432,31 +432,14 @@ def test_training_step_hands_the_loss_this_micro_batchs_mask():
     assert loss_fn.m2po_keep is None
 
 
-@pytest.mark.real_stack
-@pytest.mark.stack
-@pytest.mark.parametrize("style", ["paper", "code"])
-def test_m2po_run_through_the_cli(tiny_world, tmp_path, style):
-    """The tiny async run (rollout 8 x 4 = one optimizer batch of 32) with M2PO: the metrics come from the controller
-    at every step, the loss trains on the mask (the run ends cleanly and logs the actors' cut fraction). Async: the
-    second batch was sampled by the weights before the first step, so log pi_theta/mu is more than the engine's
-    numerical mismatch there."""
-    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
-
-    run_dir = str(tmp_path)
-    args = tiny_args(tiny_world, run_dir) + [
-        "--algo.m2po_tau",
-        "1e-4",
-        "--algo.m2po_style",
-        style,
-        "--train.async_enable",
-    ]
-    rc, log = run_cli(args, run_dir)
-    assert rc == 0 and "Traceback" not in log, log[-6000:]
+def check_m2po_run(log: str, scalars: dict, style: str, steps: int, tau: float) -> None:
+    """What an M2PO run through the CLI logs, at every one of its ``steps``: the metrics come from the controller, the
+    loss trains on the mask (the actors' cut fraction logged). Shared with the set-lag CLI run
+    (tests/test_stale_lag.py), which takes the code style."""
     assert "the policy loss is M2PO's" in log
-    scalars = read_tensorboard(run_dir)
     before, after = scalars["train/m2po/m2_before"], scalars["train/m2po/m2_after"]
-    assert len(before) == len(after) == len(scalars["train/policy_loss"]) == 2
-    assert all(a[1] <= 1e-4 + 1e-12 for a in after), after
+    assert len(before) == len(after) == len(scalars["train/policy_loss"]) == steps
+    assert all(a[1] <= tau + 1e-12 for a in after), after
     frac = [v for _, v in scalars["train/m2po/masked_frac"]]
     assert all(0 <= f <= 1 for f in frac) and frac[-1] > 0, (frac, before, after)
     # the actors' per-micro-batch cut fraction, averaged over tokens, is the batch's (one step, every token once);
@@ -466,3 +449,21 @@ def test_m2po_run_through_the_cli(tiny_world, tmp_path, style):
     if style == "code":
         bounds = [v for _, v in scalars["train/m2po/clip_log_bound"]]
         assert bounds[0] == m2po.LOG_RATIO_CLAMP and 0 <= bounds[-1] < 0.1, bounds  # step 1 within the budget
+
+
+@pytest.mark.real_stack
+@pytest.mark.stack
+def test_m2po_run_through_the_cli(tiny_world, tmp_path):
+    """The tiny async run (rollout 8 x 4 = one optimizer batch of 32) with M2PO as the paper describes it: the
+    metrics come from the controller at every step, the loss trains on the mask (the run ends cleanly and logs the
+    actors' cut fraction). Async: the second batch was sampled by the weights before the first step, so log
+    pi_theta/mu is more than the engine's numerical mismatch there. The code style runs in the set-lag CLI run
+    (tests/test_stale_lag.py), synchronous at a lag of up to 2 steps: the mask is computed by the same code for
+    both styles, so one async run covers the async controller."""
+    from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
+
+    run_dir = str(tmp_path)
+    args = tiny_args(tiny_world, run_dir) + ["--algo.m2po_tau", "1e-4", "--algo.m2po_style", "paper"]
+    rc, log = run_cli(args + ["--train.async_enable"], run_dir)
+    assert rc == 0 and "Traceback" not in log, log[-6000:]
+    check_m2po_run(log, read_tensorboard(run_dir), "paper", steps=2, tau=1e-4)

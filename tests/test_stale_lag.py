@@ -239,21 +239,29 @@ def test_the_cli_samples_every_batch_k_versions_back(tiny_world, tmp_path):
     stale steps (the lag is real, not a label); the weight sync check passed at every sync; the logged ESS/B
     (``mismatch/ess_frac``) is the one computed here by hand from the audit trail's π_prox and μ. Evals at steps 2
     and 4 run on the trainer's weights (``eval/weight_version`` 2 and 4; the sync check compares each lend with the
-    live weights), and the engines get their K-behind weights back: step 3's tokens are still HF's under version 0."""
+    live weights), and the engines get their K-behind weights back: step 3's tokens are still HF's under version 0.
+
+    The run's loss is M2PO in the released code's style (``--algo.m2po_style code``, τ = 1e-4), the regime the
+    set-lag grid runs it in: its metrics at every step and its adaptive bound (none needed at step 1, lag 0; set by
+    the lag after) are checked as tests/test_m2po.py checks its own async run, which takes the paper's style. M2PO
+    changes the loss only: μ, the audit trail's π_prox and the versions checked here are the rollout's."""
     import glob
 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
+    from tests.test_m2po import check_m2po_run
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=32)  # 4 steps of 8 prompts
     flags = ["--ds.param_dtype", "fp32", "--vllm.dtype", "float32", "--train.stale_k", "2"]
     flags += ["--algo.prox_audit_dir", audit, "--eval.dataset", tiny_world["prompts"], "--eval.steps", "2"]
+    flags += ["--algo.m2po_tau", "1e-4", "--algo.m2po_style", "code"]
     rc, log = run_cli(args + flags, run_dir)
     assert rc == 0, log[-5000:]
     tb = read_tensorboard(run_dir)
+    check_m2po_run(log, tb, "code", steps=4, tau=1e-4)
     assert tb["eval/weight_version"] == [(2, 2.0), (4, 4.0)]  # the trainer's versions, not 0 and 2
     assert [v for _, v in tb["train/version_lag/mean"]] == [0.0, 1.0, 2.0, 2.0]
     assert [v for _, v in tb["train/stale/engine_version"]] == [0.0, 0.0, 0.0, 1.0]
