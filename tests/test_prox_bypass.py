@@ -220,7 +220,8 @@ def test_bypass_through_the_cli_is_exact_at_lag_0_and_takes_the_baseline_over_wh
     --algo.advantage.opob_norm full``, GRPO's group_norm estimator): the actor's make-experience forward, which
     bypass otherwise skips, runs for the norms alone, so π_prox stays μ (no recompute forward counted, k1 = 0, μ
     exact above), and every step logs a baseline inside the rewards' range from positive, unequal norms. One run
-    for both: each CLI run costs the suite about two minutes of start-up (docs/tests.md)."""
+    for both: an async CLI run costs the suite 75–78 s and 123–134 busy core-s, nearly all of it start-up
+    (docs/tests.md)."""
     from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
