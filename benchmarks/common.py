@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -361,10 +360,14 @@ def end_processes(procs, grace: float = 10.0) -> None:
 
 
 def free_port() -> int:
-    """A port the kernel had free a moment ago (bound to 127.0.0.1 and released); the caller binds it next."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free a moment ago, drawn as the trainer roles draw their rendezvous port
+    (``openrlhf_ess.trainer.ray.rendezvous.rendezvous_port``): outside the kernel's ephemeral range, which any
+    outgoing connection on the machine (Ray's gRPC clients, vLLM's sockets, another test's worker) may take as its
+    local port between our release and the caller's ``bind``. ``bind(("127.0.0.1", 0))`` drew from that range and
+    lost the race once in CI (``EADDRINUSE`` at a one-rank gloo group's ``TCPStore``)."""
+    from openrlhf_ess.trainer.ray.rendezvous import rendezvous_port
+
+    return rendezvous_port()
 
 
 def single_process_env() -> None:

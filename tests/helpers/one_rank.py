@@ -3,10 +3,11 @@
 ``torch.distributed.get_rank()`` and the syncs' barriers need), an HF-like causal LM, the DeepSpeed engine's
 ``.module`` around it, and an actor handle whose calls run at once."""
 
-import socket
 from types import SimpleNamespace
 
 import torch
+
+from tests.helpers.ports import free_port
 
 
 def gloo_single_process():
@@ -15,10 +16,7 @@ def gloo_single_process():
     if torch.distributed.is_initialized():
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     torch.distributed.destroy_process_group()
 
