@@ -188,6 +188,22 @@ def run_train(args: types.SimpleNamespace, classes: Dict[str, Any]) -> None:
     rebind(module.train, globals_override, trainer_overrides)(args)
 
 
+def vllm_sync_group_init_drawing(draw_port: Callable[[], int]) -> Callable:
+    """Upstream's ``ActorPPOTrainer._init_vllm_sync_group`` (the weight-sync group of rank 0 and every engine
+    worker: the order of its remote calls, its ranks, its NCCL or Ray-collective group) with its port drawn by
+    ``draw_port()`` where upstream binds ``("", 0)`` and releases the port for the group's store to bind again."""
+    import socket
+
+    from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    class DrawnPortSocket(socket.socket):
+        def bind(self, address):
+            host, port = address
+            return super().bind((host, draw_port() if port == 0 else port))
+
+    return rebind(ActorPPOTrainer._init_vllm_sync_group, {"socket": types.SimpleNamespace(socket=DrawnPortSocket)})
+
+
 def create_vllm_engines_with(actor_cls: Any) -> Callable:
     """Upstream's ``create_vllm_engines`` (placement, scheduling, kwargs) building ``actor_cls``."""
     from openrlhf.trainer.ray import vllm_engine

@@ -26,10 +26,12 @@ interrupt scoring around upstream's broadcast), the engines' version tagging and
 import glob
 import multiprocessing
 import os
+import re
 
 import pytest
 import torch
 
+from openrlhf_ess.trainer.ray import rendezvous
 from tests.helpers import gloo_broadcast, span_gate
 from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 from tests.helpers.ports import free_port
@@ -105,6 +107,10 @@ def _check_upstream_broadcast_ran(log: str, syncs: int) -> None:
     # the group upstream set up is the gloo stand-in on both sides (actor rank 0, the engine's worker), on loopback
     for rank in (0, 1):
         assert f"[gloo_broadcast] GlooCommunicator rank {rank} of 2 on 127.0.0.1:" in log, log[-3000:]
+    # its port drawn outside the kernel's ephemeral range (trainer/ray/rendezvous.py), where upstream took any
+    lo, hi = rendezvous.ephemeral_range()
+    ports = {int(p) for p in re.findall(r"GlooCommunicator rank \d of 2 on 127\.0\.0\.1:(\d+)", log)}
+    assert ports and not any(lo <= p <= hi for p in ports), (ports, lo, hi)
     assert "init_process_group: master_address=" in log  # upstream's WorkerWrap.init_process_group
     assert log.count("update weight: lm_head.weight") == syncs, log[-3000:]  # the last tensor of each sync
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -78,3 +79,33 @@ def test_every_role_the_cli_places_draws_its_port_here(key, monkeypatch):
         "RewardModelActor": upstream.reward_actor_class(),
     }[key]
     assert issubclass(cls, base) and key in cls.__name__  # the CLI's failure messages name roles by class name
+
+
+def test_the_weight_sync_group_draws_its_port_here(monkeypatch):
+    """Upstream's ``_init_vllm_sync_group`` runs as is (engines told their ranks, rank 0's group on the same port),
+    with the port it used to take from ``bind(("", 0))`` drawn outside the ephemeral range."""
+    import ray
+    from openrlhf.trainer.ray import ppo_actor as upstream_actor
+
+    from openrlhf_ess.trainer.ray.ppo_actor import ActorPPOTrainer
+
+    monkeypatch.setattr(rendezvous, "ephemeral_range", lambda path=None: (20000, 60999))  # leaves 61000-65535
+    joined, formed = [], []
+
+    class Engine:
+        def __init__(self):
+            self.init_process_group = SimpleNamespace(remote=lambda *a, **k: joined.append((a, k)))
+
+    monkeypatch.setattr(upstream_actor, "stateless_init_process_group", lambda *a: formed.append(a) or "group")
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    monkeypatch.setattr(ray._private.services, "get_node_ip_address", lambda: "10.0.0.1")
+    monkeypatch.setattr(upstream_actor.torch.cuda, "current_device", lambda: 0)
+    vllm = SimpleNamespace(num_engines=2, tensor_parallel_size=2, sync_with_ray=False)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(args=SimpleNamespace(vllm=vllm)), vllm_engines=[Engine()] * 2)
+    ActorPPOTrainer._init_vllm_sync_group(trainer, "nccl")
+
+    ((addr, port, rank, world, device),) = formed
+    assert (addr, rank, world, device) == ("10.0.0.1", 0, 5, 0) and trainer._model_update_group == "group"
+    assert 61000 <= port <= 65535, port  # upstream's own draw lands in 32768-60999 on this kernel's default range
+    assert [a for a, _ in joined] == [("10.0.0.1", port, 1, 5, "openrlhf"), ("10.0.0.1", port, 3, 5, "openrlhf")]
+    assert [k for _, k in joined] == [{"backend": "nccl", "use_ray": False}] * 2

@@ -44,7 +44,7 @@ from openrlhf_ess.trainer import (  # noqa: E402
     stale_lag,
 )
 from openrlhf_ess.trainer.prox_sources import ProxSources  # noqa: E402
-from openrlhf_ess.trainer.ray.rendezvous import RendezvousPort  # noqa: E402
+from openrlhf_ess.trainer.ray.rendezvous import RendezvousPort, rendezvous_port  # noqa: E402
 from openrlhf_ess.trainer.weight_sync import WeightSync  # noqa: E402
 
 
@@ -212,10 +212,12 @@ class ActorPPOTrainer(_upstream.ActorPPOTrainer):
     # ---- weight sync (weight_sync.py) ----------------------------------------------------------------
 
     def _init_vllm_sync_group(self, backend: str):
-        """Overrides upstream's NCCL/gloo group set-up: the ``reload`` backend needs no process group."""
+        """Upstream's NCCL/gloo group set-up, its port drawn as the rendezvous port is (trainer/ray/rendezvous.py:
+        outside the ephemeral range, which the engines' own connections draw from while rank 0's port waits to be
+        bound; a replacement forms the group again mid-run). The ``reload`` backend needs no process group."""
         if backend == config.RELOAD_BACKEND:
             return
-        super()._init_vllm_sync_group(backend)
+        upstream.vllm_sync_group_init_drawing(rendezvous_port)(self, backend)
 
     def broadcast_to_vllm(self):
         """Sync weights to the engines (ours with reload, upstream's broadcast otherwise), then advance the

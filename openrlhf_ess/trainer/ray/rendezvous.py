@@ -10,7 +10,11 @@ implicitly; only an explicit ``bind`` can take it. So the roles draw rank 0's po
 that range and Ray's worker-port range, and check it is free, as upstream does.
 
 Every role's class is a thin subclass with :class:`RendezvousPort` first in its bases; the CLI substitutes them for
-upstream's (``cli/train_ppo_ray.py::train``, ``upstream.run_train``). Nothing else of upstream's changes.
+upstream's (``cli/train_ppo_ray.py::train``, ``upstream.run_train``). The weight-sync group of rank 0 and the
+engines (upstream's ``_init_vllm_sync_group``) had the same ``bind(("", 0))`` and the same window, with the engines'
+remote calls going out inside it, and is formed again at every engine replacement: it draws here too
+(``ActorPPOTrainer._init_vllm_sync_group``, through ``upstream.vllm_sync_group_init_drawing``). Nothing else of
+upstream's changes.
 """
 
 from __future__ import annotations
