@@ -224,6 +224,82 @@ def test_moe_experts_are_compared_against_a_real_engines_names(tmp_path, family)
     assert bad == ["model.layers.1.mlp.experts.routed_experts.w2_weight"], bad
 
 
+@pytest.mark.engine
+def test_an_engine_never_synced_reports_its_repacked_weights_from_its_checkpoint(tiny_world, tmp_path):
+    """An engine that replaced a dead or hung one before the run's first sync holds the weights vLLM loaded at its
+    start; vLLM CPU repacks its dense linears into 0-element placeholders, so their sums must come from what the
+    loader received, and no sync has recorded that (the check after such a replacement once failed on coverage,
+    13%). A real engine: its plain sums lack every linear; with its model config, as the worker has it, every
+    trainer tensor is covered and equal, q's sum equal to the float64 sum of HF's own q_proj, and one element
+    changed on the trainer's side is named."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    model, out = tiny_world["model"], tmp_path / "engine.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.engine_sums", model, str(out), "float32"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    plain, start = ({n: tuple(v) for n, v in got[k].items()} for k in ("plain", "start"))
+    assert any(n.endswith("qkv_proj.weight") for n in got["emptied"]), got["emptied"]  # vLLM CPU repacked them
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    ours = sync_check.trainer_checksums(hf.named_parameters())
+    assert sync_check.coverage(ours, plain) < 0.95  # the failure: the linears missing
+    assert sync_check.coverage(ours, start) == 1.0, sorted(set(ours) - set(start))
+    bad, compared = sync_check.mismatched(ours, start, sync_check.SAME_DTYPE_TOL)
+    assert bad == [] and compared == len(ours), bad
+    q = dict(hf.named_parameters())["model.layers.0.self_attn.q_proj.weight"].detach().double()
+    s, ss, n = start["model.layers.0.self_attn.qkv_proj.weight[q]"]
+    assert (
+        n == q.numel() and s == pytest.approx(q.sum().item(), rel=1e-12) and ss == pytest.approx((q * q).sum().item())
+    )
+
+    with torch.no_grad():
+        dict(hf.named_parameters())["model.layers.1.mlp.down_proj.weight"].view(-1)[3] += 1e-3
+    bad, _ = sync_check.mismatched(sync_check.trainer_checksums(hf.named_parameters()), start, 1e-9)
+    assert bad == ["model.layers.1.mlp.down_proj.weight"], bad
+
+
+def test_a_worker_reports_the_checkpoint_only_until_weights_reach_it(monkeypatch):
+    """The checkpoint's sums stand for the repacked weights only while no weight has reached the engine: a broadcast
+    sync (upstream's ``update_weight``, per tensor) or CUDA IPC load marks them gone, and a ``reload`` sync's own
+    record (``_loaded_checksums``) always wins."""
+    from types import SimpleNamespace
+
+    from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap as Upstream
+
+    from openrlhf_ess.trainer.ray import vllm_worker_wrap
+
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight = torch.nn.Parameter(torch.empty(0))  # emptied, as vLLM CPU leaves a repacked linear
+    calls = []
+    monkeypatch.setattr(vllm_worker_wrap, "checkpoint_files", lambda model, revision=None: ["ckpt.safetensors"])
+    monkeypatch.setattr(
+        sync_check,
+        "checkpoint_checksums",
+        lambda files, names, dtype: calls.append(list(names)) or {"weight": (1, 1, 4)},
+    )
+    monkeypatch.setattr(Upstream, "update_weight", lambda self, *a, **k: "loaded", raising=False)
+    worker = vllm_worker_wrap.WorkerWrap.__new__(vllm_worker_wrap.WorkerWrap)
+    worker.model_runner = SimpleNamespace(model=model, model_config=SimpleNamespace(model="m", dtype=torch.float32))
+    assert vllm_worker_wrap.received_checksums(worker, model) == {"weight": (1, 1, 4)} and calls == [["weight"]]
+    assert vllm_worker_wrap.received_checksums(worker, model) == {"weight": (1, 1, 4)} and len(calls) == 1  # read once
+    assert worker.update_weight("weight", "float32", [2, 2]) == "loaded"
+    assert vllm_worker_wrap.received_checksums(worker, model) == {}
+    worker._loaded_checksums = {"weight": (2, 2, 4)}
+    assert vllm_worker_wrap.received_checksums(worker, model) == {"weight": (2, 2, 4)}
+
+
 # ---- tensor parallelism with KV heads replicated across workers
 #
 # vLLM's QKVParallelLinear splits the query heads over the TP ranks; with more ranks than KV heads each KV head is

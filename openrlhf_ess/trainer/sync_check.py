@@ -335,6 +335,31 @@ def engine_checksums(
     return sums, replicas
 
 
+def emptied_names(model: torch.nn.Module) -> List[str]:
+    """The parameters vLLM emptied after loading (its CPU backend repacks dense linears into a kernel handle and
+    leaves a 0-element placeholder): their sums can only come from what the loader received."""
+    return [name for name, param in model.named_parameters() if not param.numel()]
+
+
+def checkpoint_checksums(files: Iterable[str], names: Iterable[str], dtype: torch.dtype) -> Dict[str, Checksum]:
+    """What an engine's own loader received at its start for the parameters ``names`` (engine names, e.g. those of
+    :func:`emptied_names`), read from the checkpoint's safetensors ``files``: each HF tensor cast to the engine's
+    ``dtype`` (the loader's copy into its parameter does that cast), summed into the engine's (fused) names like the
+    loads of a sync (:func:`trainer_checksums`). One tensor in memory at a time."""
+    from safetensors import safe_open
+
+    wanted = set(names)
+
+    def tensors():
+        for path in files:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    if engine_name(key).split("[")[0] in wanted:
+                        yield key, f.get_tensor(key).to(dtype)
+
+    return trainer_checksums(tensors())
+
+
 def align_experts(trainer: Dict[str, Checksum], engine_names: Iterable[str]) -> Dict[str, Checksum]:
     """The trainer's fused expert names (``<layer>.mlp.experts.w13_weight``) renamed to the engine's where vLLM
     nests its FusedMoE weights one level deeper (e.g. ``experts.routed_experts.w13_weight`` in newer layouts): the

@@ -210,6 +210,48 @@ def _drain(tensors: Dict[str, torch.Tensor]) -> Iterator[Tuple[str, torch.Tensor
         yield name, tensors.pop(name)
 
 
+def checkpoint_files(model: str, revision: Optional[str] = None) -> List[str]:
+    """The safetensors files of the checkpoint vLLM loaded an engine from: ``model`` (its ``model_config.model``) as
+    a folder, or a Hugging Face repository in the local cache (vLLM downloaded it there at the engine's start; no
+    download here). Empty when there is none (a ``.bin`` checkpoint, a cache cleared since)."""
+    import glob
+    import os
+
+    folder = model
+    if not os.path.isdir(folder):
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(
+                model, revision=revision, allow_patterns=["*.safetensors"], local_files_only=True
+            )
+        except Exception:  # noqa: BLE001 - no local copy: the check reports the coverage it has
+            return []
+    return sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+
+
+def received_checksums(worker, model: torch.nn.Module) -> dict:
+    """A worker's sums of what vLLM's loader received, for the weights it emptied (repacked): those of the last
+    sync's load; before any weight reached this engine, those of the checkpoint it loaded at its start (an engine that
+    replaces a dead or hung one before the run's first sync holds the pretrained weights, loaded by vLLM itself:
+    without them its repacked linears could not be compared, and the check after its replacement failed on
+    coverage). Read once, only for emptied weights (vLLM's CPU backend; a GPU engine empties none)."""
+    loaded = getattr(worker, "_loaded_checksums", None)
+    if loaded is not None or getattr(worker, "_weights_received", False):
+        return loaded or {}
+    start = getattr(worker, "_start_checksums", None)
+    if start is None:
+        from openrlhf_ess.trainer.sync_check import checkpoint_checksums, emptied_names
+
+        emptied, config = emptied_names(model), getattr(worker.model_runner, "model_config", None)
+        files = checkpoint_files(config.model, getattr(config, "revision", None)) if emptied and config else []
+        dtype = config.dtype if files and isinstance(config.dtype, torch.dtype) else None
+        if files and dtype is None:  # the dtype the engine's weights hold
+            dtype = next(p.dtype for _, p in model.named_parameters() if p.numel())
+        start = worker._start_checksums = checkpoint_checksums(files, emptied, dtype) if files else {}
+    return start
+
+
 def tied_heads(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
     """(name, module) of every unquantized vLLM LM head whose weight is another module's (tied input and output
     embeddings: ``ParallelLMHead.tie_weights`` registers the embedding's parameter on the head). A quantized head is
@@ -387,5 +429,15 @@ class WorkerWrap(_UpstreamWorkerWrap):
 
             tp_size = get_tensor_model_parallel_world_size()
         heads = [name for name, _ in tied_heads(model)]  # checked by what they compute, too
-        sums, replicas = engine_checksums(model, tp_size, getattr(self, "_loaded_checksums", {}), heads)
+        sums, replicas = engine_checksums(model, tp_size, received_checksums(self, model), heads)
         return (dtype, sums, replicas) if with_replicas else (dtype, sums)
+
+    def update_weight(self, *args, **kwargs):
+        """Upstream's per-tensor load (a broadcast sync); marks this engine's weights as no longer its checkpoint's."""
+        self._weights_received = True
+        return super().update_weight(*args, **kwargs)
+
+    def update_weight_cuda_ipc(self, *args, **kwargs):
+        """Upstream's CUDA IPC load; marks this engine's weights as no longer its checkpoint's."""
+        self._weights_received = True
+        return super().update_weight_cuda_ipc(*args, **kwargs)
