@@ -638,6 +638,10 @@ def test_an_engine_that_ray_is_restarting_is_not_timed():
 # ---------------------------------------------------------------- the real stack
 
 N_PROMPTS = 24  # three steps of 8 prompts (4 samples each)
+# The runs' --vllm.watchdog_s: past it, a request that streams nothing makes the engine a hung one. The engine's first
+# request (the start-up canary's) once took over 10 s on a loaded 2-core machine, beside another real-stack run, and
+# the watchdog replaced a healthy engine; 30 s leaves that margin (a SIGSTOPped engine is found 30 s after, idle).
+WATCHDOG_S = 30
 
 
 def _replacement_run(tiny_world, tmp_path, max_restarts: int, kills, flags=(), n_prompts=N_PROMPTS):
@@ -721,7 +725,7 @@ def test_async_partial_rollouts_survive_a_kill_of_each_kind_and_a_hang_with_ever
 
     kills = [("batch_v0.pt", "actor"), ("batch_v1.pt", "core"), ("batch_v2.pt", "stop")]
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.prox_mode", "snapshot"]
-    flags += ["--vllm.watchdog_s", "10"]
+    flags += ["--vllm.watchdog_s", str(WATCHDOG_S)]
     run, audit, killed = _replacement_run(tiny_world, tmp_path, 3, kills, flags=flags, n_prompts=32)
     assert not run.timed_out and run.rc == 0, run.log[-6000:]
     replaced = [line for line in run.log.splitlines() if "engine replaced: engine 0" in line]
@@ -738,7 +742,7 @@ def test_async_partial_rollouts_survive_a_kill_of_each_kind_and_a_hang_with_ever
 
 @pytest.mark.real_stack
 def test_a_hang_is_replaced_then_a_death_past_the_budget_stops_the_run_naming_both(tiny_world, tmp_path):
-    """--vllm.max_restarts 1 --vllm.watchdog_s 10: the engine's vLLM processes are SIGSTOPped in the second rollout
+    """--vllm.max_restarts 1 --vllm.watchdog_s 30: the engine's vLLM processes are SIGSTOPped in the second rollout
     with requests in flight; the watchdog finds the hang within its bound and a look and stops the engine for Ray to
     replace it (its calls sent again, the sync check passed on the new engine, step 2 trains). Then the new engine
     actor is SIGKILLed in the third rollout: the budget is used, Ray's restart is refused, and the run stops with
@@ -750,13 +754,14 @@ def test_a_hang_is_replaced_then_a_death_past_the_budget_stops_the_run_naming_bo
     from tests.test_resume import _prompt_texts, _trained
 
     kills = [("batch_v0.pt", "stop"), ("batch_v1.pt", "actor")]
-    run, audit, killed = _replacement_run(tiny_world, tmp_path, 1, kills, flags=["--vllm.watchdog_s", "10"])
+    run, audit, killed = _replacement_run(tiny_world, tmp_path, 1, kills, flags=["--vllm.watchdog_s", str(WATCHDOG_S)])
     assert not run.timed_out and run.rc == 1, run.log[-6000:]
     (_, pid0, inflight0, *stopped), (_, pid1, *_) = killed
     assert int(inflight0) > 0 and stopped, killed
     stopped_at = os.stat(os.path.join(str(tmp_path), "killed0")).st_mtime
     hung = [line for line in run.log.splitlines() if "stopping it for Ray to replace it" in line]
-    assert len(hung) == 1 and f"pid {pid0}) hung" in hung[0] and "--vllm.watchdog_s 10" in hung[0], run.log[-6000:]
+    said = f"--vllm.watchdog_s {WATCHDOG_S}"
+    assert len(hung) == 1 and f"pid {pid0}) hung" in hung[0] and said in hung[0], run.log[-6000:]
     assert "the weight sync check (checksums now, canary) passed on every engine at version 1" in run.log
     faults = _step_metrics(run.log)  # step 2's: after the replacement
     assert faults["faults/engine_restarts"] == 1 and faults["faults/prompts_requeued"] >= 1, faults
