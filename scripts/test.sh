@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command (README, CI): set up ./.venv if needed, lint, then the tests (docs/tests.md).
-#   bash scripts/test.sh            # the gate CI runs: the default suite, then the stack tier (measured: docs/tests.md)
+#   bash scripts/test.sh            # the gate CI runs: the default suite and, beside it, the stack tier (docs/tests.md)
 #   bash scripts/test.sh --fast     # the inner loop: maths, config, pre-flight, units (no Ray, CLI, engine or ranks)
 #   bash scripts/test.sh --default  # the default suite only (the fault tests inside)
 #   bash scripts/test.sh -m slow    # any pytest arguments: one pytest command with them (e.g. -m slow, -m stack, a file)
@@ -26,14 +26,36 @@ busy() { # the machine's busy core-seconds so far (/proc/stat: every core, all b
 start=$SECONDS
 cores=$(getconf _NPROCESSORS_ONLN) # not nproc, which OMP_NUM_THREADS=1 (env_cpu.sh) turns into 1
 was=$(busy)
-"${PYTEST[@]}" --durations=25 # the default suite (pytest.ini: not slow, not gpu, not stack); the slowest 25 named
-echo "[test.sh] default suite: $((SECONDS - start)) s, $(($(busy) - was)) busy core-s of $cores cores"
 if [ "${1:-}" = "--default" ]; then
+    "${PYTEST[@]}" --durations=25 # the default suite (pytest.ini: not slow, not gpu, not stack); the slowest 25 named
+    echo "[test.sh] default suite: $((SECONDS - start)) s, $(($(busy) - was)) busy core-s of $cores cores"
     exit 0
 fi
-start=$SECONDS
-was=$(busy)
-# the real-stack feature runs (CI runs them too), in one process: they are all in the real-stack group, one at a
-# time on one worker, so a second worker would only repeat the collection's imports
-python -m pytest -ra -p no:xdist -m stack --durations=25
-echo "[test.sh] stack tier: $((SECONDS - start)) s, $(($(busy) - was)) busy core-s of $cores cores"
+# The stack tier (the real-stack feature runs; CI runs them too) runs beside the default suite, in one process of
+# its own (all its tests are real-stack runs, one at a time: a second worker would only repeat the collection's
+# imports). One after the other the two tiers left a third of a core idle on average (a run's start-up waits on
+# one process at a time); side by side they fill it (docs/tests.md). Its output is printed once it ends. Two Ray
+# instances at once share a node as two users' runs do: each run's ports are its own but the dashboard agent's
+# HTTP port (52365), which the second instance does without (job submission only; nothing here submits to it).
+stack_log=$(mktemp /tmp/openrlhf_ess_stack_tier.XXXXXX)
+python -m pytest -ra -p no:xdist -m stack --durations=25 >"$stack_log" 2>&1 &
+stack_pid=$!
+stop_stack() { # on any exit of this script: the stack tier's session ends its runs (SIGINT: pytest tears down)
+    if kill -0 "$stack_pid" 2>/dev/null; then
+        kill -INT "$stack_pid" 2>/dev/null || true
+        wait "$stack_pid" 2>/dev/null || true
+        cat "$stack_log"
+    fi
+    rm -f "$stack_log"
+}
+trap stop_stack EXIT
+default_rc=0
+"${PYTEST[@]}" --durations=25 || default_rc=$? # the default suite (pytest.ini: not slow, not gpu, not stack)
+echo "[test.sh] default suite: $((SECONDS - start)) s (the stack tier beside it)"
+stack_rc=0
+wait "$stack_pid" || stack_rc=$?
+echo "[test.sh] ---- the stack tier's output (it ran beside the default suite) ----"
+cat "$stack_log"
+echo "[test.sh] both tiers: $((SECONDS - start)) s, $(($(busy) - was)) busy core-s of $cores cores"
+[ "$default_rc" -eq 0 ] || { echo "[test.sh] the default suite failed (exit $default_rc)"; exit "$default_rc"; }
+[ "$stack_rc" -eq 0 ] || { echo "[test.sh] the stack tier failed (exit $stack_rc)"; exit "$stack_rc"; }

@@ -74,10 +74,11 @@ def tiny_world(tmp_path_factory):
 #
 # A test that starts a Ray instance, the CLI or a Ray cluster is marked ``real_stack`` (a ``stack``-tier test is one
 # too) and joins the xdist group "real-stack": the group's tests run one after the other on one worker while the other
-# worker takes the rest. Two private Ray instances at once would contend for fixed ports (the dashboard agent's
-# 52365) and, on 2 cores, slow each other as much as they overlap (docs/tests.md); a test of the rest (pure Python, an
-# in-process vLLM engine, DeepSpeed ranks over gloo) uses about one core, and a real-stack run leaves part of the
-# second idle. The group is declared; the source is read only to refuse a test that starts one without the mark
+# worker takes the rest. Two private Ray instances of one session at once would slow each other on 2 cores as much as
+# they overlap (docs/tests.md); a test of the rest (pure Python, an in-process vLLM engine, DeepSpeed ranks over gloo)
+# uses about one core, and a real-stack run leaves part of the second idle. scripts/test.sh runs the stack tier, a
+# session of its own, beside the default suite: a second Ray instance on the node then goes without the dashboard
+# agent's HTTP port (52365, job submission only), which the first holds. The group is declared; the source is read only to refuse a test that starts one without the mark
 # (:func:`starts_real_stack`: the test function, the module's functions and scripts (strings) it names (two levels),
 # and the fixtures it requests).
 REAL_STACK = re.compile(
