@@ -78,9 +78,9 @@ def tiny_world(tmp_path_factory):
 # they overlap (docs/tests.md); a test of the rest (pure Python, an in-process vLLM engine, DeepSpeed ranks over gloo)
 # uses about one core, and a real-stack run leaves part of the second idle. scripts/test.sh runs the stack tier, a
 # session of its own, beside the default suite: a second Ray instance on the node then goes without the dashboard
-# agent's HTTP port (52365, job submission only), which the first holds. The group is declared; the source is read only to refuse a test that starts one without the mark
-# (:func:`starts_real_stack`: the test function, the module's functions and scripts (strings) it names (two levels),
-# and the fixtures it requests).
+# agent's HTTP port (52365, job submission only), which the first holds. The group is declared; the source is read
+# only to refuse a test that starts one without the mark (:func:`starts_real_stack`: the test function, the module's
+# functions and scripts (strings) it names (two levels), and the fixtures it requests).
 REAL_STACK = re.compile(
     r"\brun_cli|[\"']openrlhf_ess\.cli\.train_ppo_ray[\"']|\blocal_ray\b|\bray_cluster\b|\bray\.init\(|\binit_ray\("
 )
