@@ -208,7 +208,7 @@ def test_moe_experts_are_compared_against_a_real_engines_names(tmp_path, family)
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    theirs = {name: tuple(sums) for name, sums in json.loads(out.read_text()).items()}
+    theirs = {name: tuple(sums) for name, sums in json.loads(out.read_text())["plain"].items()}
     experts = sorted(n for n in theirs if ".experts." in n)
     assert len(experts) == 4 and all(n.endswith(("w13_weight", "w2_weight")) for n in experts), experts
 

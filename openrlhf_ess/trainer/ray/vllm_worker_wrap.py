@@ -245,10 +245,13 @@ def received_checksums(worker, model: torch.nn.Module) -> dict:
 
         emptied, config = emptied_names(model), getattr(worker.model_runner, "model_config", None)
         files = checkpoint_files(config.model, getattr(config, "revision", None)) if emptied and config else []
-        dtype = config.dtype if files and isinstance(config.dtype, torch.dtype) else None
-        if files and dtype is None:  # the dtype the engine's weights hold
-            dtype = next(p.dtype for _, p in model.named_parameters() if p.numel())
-        start = worker._start_checksums = checkpoint_checksums(files, emptied, dtype) if files else {}
+        start = {}
+        if files:
+            dtype = config.dtype  # else the dtype the engine's weights hold
+            if not isinstance(dtype, torch.dtype):
+                dtype = next(p.dtype for _, p in model.named_parameters() if p.numel())
+            start = checkpoint_checksums(files, emptied, dtype)
+        worker._start_checksums = start
     return start
 
 
