@@ -13,7 +13,9 @@ to 0.27 checked every 25 steps, 32 x 8 samples at lr 1e-4 (``SAMPLES=8 LR=1e-4``
 Runs go one after another, seeds outermost, so a grid cut short still holds every configuration for the seeds
 it finished. ``--n-eval``, ``--warm-target`` and ``--warm-check-every`` give the script another eval set or warm
 start (its N_EVAL, WARM_TARGET, WARM_CHECK_EVERY; each run records them, with SAMPLES and LR where set, as
-``task_env``). The cores are shared by every process of a run, as a user's single machine shares them; with
+``task_env``). ``--extra "--train.batch_size 256"`` trains each batch in 4 minibatches (AReaL's and M2PO's
+papers' regime): the lag table counts a version as that many optimizer steps; give such rows their sync, run the
+same way, in an ``--out`` of their own. The cores are shared by every process of a run, as a user's single machine shares them; with
 ``--pin-engine-core`` the engine has core 0 to itself and everything else the other cores.
 
 Writes into ``--out``: ``results.json`` (per run: the eval curve as [step, seconds since launch, seconds since
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -300,7 +303,9 @@ def run_once(
         from openrlhf_ess.tiny.rlvr import N_EVAL
 
         run["task_env"] = {"N_EVAL": str(N_EVAL)} | {
-            k: env[k] for k in ("N_EVAL", "WARM_TARGET", "WARM_CHECK_EVERY", "SAMPLES", "LR", "EVAL_STEPS") if k in env
+            k: env[k]
+            for k in ("N_EVAL", "WARM_TARGET", "WARM_CHECK_EVERY", "PROMPTS", "SAMPLES", "LR", "EVAL_STEPS")
+            if k in env
         }
     return run
 
@@ -475,10 +480,32 @@ def stale_k_of(run: Dict) -> Optional[int]:
     return None if k is None else int(k)
 
 
+def script_default(name: str, script: str = SCRIPT) -> int:
+    """The default of the task script's setting ``name`` (its ``NAME=${NAME:-value}`` line)."""
+    with open(script) as f:
+        found = re.search(rf"^{name}=\$\{{{name}:-(\d+)\}}", f.read(), re.M)
+    if found is None:
+        raise ValueError(f"{script} sets no default for {name}")
+    return int(found.group(1))
+
+
 def steps_per_version(run: Dict) -> int:
-    """Optimizer steps per weight version: the epochs a batch (--train.max_epochs, 1 unless given), the script's
-    --train.batch_size being the whole rollout batch (one minibatch)."""
-    return int(flag_value(run.get("flags", []), "--train.max_epochs", 1))
+    """Optimizer steps per weight version: the epochs a batch (--train.max_epochs, 1 unless given) times the
+    minibatches a batch. The script's --train.batch_size is its whole rollout batch, PROMPTS × SAMPLES samples (one
+    minibatch); a run whose flags give a smaller one (``--extra "--train.batch_size 256"``: 4 minibatches of the
+    32 × 32 batch, as AReaL and M2PO train) takes that many optimizer steps a version, and each version of lag is
+    as many steps. The rollout's size comes from the run's task settings, else the script's defaults."""
+    flags = run.get("flags", [])
+    epochs = int(flag_value(flags, "--train.max_epochs", 1))
+    train_batch = flag_value(flags, "--train.batch_size")
+    if train_batch is None:
+        return epochs
+    env = run.get("task_env") or {}
+    prompts = int(flag_value(flags, "--rollout.batch_size", env.get("PROMPTS", script_default("PROMPTS"))))
+    samples = int(flag_value(flags, "--rollout.n_samples_per_prompt", env.get("SAMPLES", script_default("SAMPLES"))))
+    if (prompts * samples) % int(train_batch):
+        raise ValueError(f"--train.batch_size {train_batch} does not divide the rollout batch {prompts} x {samples}")
+    return epochs * prompts * samples // int(train_batch)
 
 
 def first_below(run: Dict, start_value: float) -> Optional[int]:

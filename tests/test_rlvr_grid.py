@@ -523,6 +523,32 @@ def test_the_lag_table_per_seed_worked_by_hand():
     assert rlvr_grid.lag_table({"sync | none": [sync]}, 0.2, [25, 50]) == []  # no row set a lag
 
 
+def test_a_version_is_as_many_optimizer_steps_as_epochs_times_minibatches(tmp_path):
+    script = tmp_path / "task.sh"
+    script.write_text("SEED=${SEED:-0}\nPROMPTS=${PROMPTS:-32}\nSAMPLES=${SAMPLES:-32}\n")
+    assert rlvr_grid.script_default("SAMPLES", str(script)) == 32
+    with pytest.raises(ValueError, match="no default for STEPS"):
+        rlvr_grid.script_default("STEPS", str(script))
+    # the stored script's defaults: 32 prompts x 32 samples, the whole batch one minibatch
+    assert (rlvr_grid.script_default("PROMPTS"), rlvr_grid.script_default("SAMPLES")) == (32, 32)
+    assert rlvr_grid.steps_per_version({"flags": ["--train.stale_k", "16"]}) == 1
+    assert rlvr_grid.steps_per_version({"flags": ["--train.max_epochs", "2"]}) == 2
+    four = {"flags": ["--train.stale_k", "16", "--train.batch_size", "256"]}
+    assert rlvr_grid.steps_per_version(four) == 4  # 1,024 samples in minibatches of 256
+    assert rlvr_grid.steps_per_version({**four, "task_env": {"SAMPLES": "8"}}) == 1  # 32 x 8 = 256: one
+    assert rlvr_grid.steps_per_version({"flags": four["flags"] + ["--train.max_epochs", "2"]}) == 8
+    with pytest.raises(ValueError, match="does not divide"):
+        rlvr_grid.steps_per_version({"flags": ["--train.batch_size", "300"]})
+    # the lag table reports both units: 16 versions of 4 steps, and the delayed reference 64 steps late
+    sync = _run([(25, 10.0, 0.3), (50, 20.0, 0.5)])
+    lagged = _run([(25, 10.0, 0.25), (50, 20.0, 0.45)])
+    lagged["flags"] = four["flags"]
+    results = {"sync | none": [sync], "stale k16 | AReaL (decoupled)": [lagged]}
+    text = "\n".join(rlvr_grid.lag_table(results, 0.2, [25, 50]))
+    assert "| stale k16: AReaL (decoupled) | 16 / 64 | 1 |" in text
+    assert "| sync delayed 64 steps (computed) | – / 64 |" in text
+
+
 def test_the_lag_tables_final_gain_is_the_last_two_evals_not_the_area():
     """A run that starts late and ends close: start 0.2; sync 0.3, 0.4, 0.6 (AUC gain 0.233, final gain over the last
     two 0.3); the lagged run 0.2, 0.3, 0.6 (AUC gain 0.167: 0.71×; final gain 0.25: 0.83×)."""
