@@ -10,13 +10,14 @@ appended: the staleness level and the correction (the names of ``benchmarks/stal
 temperature (4 samples each: ``eval/eval_default_pass1`` is the mean exact-match accuracy over 6,356 samples).
 The stored grid in docs/rlvr_grid ran the earlier defaults: 197 held-out prompts (``--n-eval 100``), the warm start
 to 0.27 checked every 25 steps, 32 x 8 samples at lr 1e-4 (``SAMPLES=8 LR=1e-4``).
-Runs go one after another, seeds outermost, so a grid cut short still holds every configuration for the seeds
-it finished. ``--n-eval``, ``--warm-target`` and ``--warm-check-every`` give the script another eval set or warm
-start (its N_EVAL, WARM_TARGET, WARM_CHECK_EVERY; each run records them, with SAMPLES and LR where set, as
-``task_env``). ``--extra "--train.batch_size 256"`` trains each batch in 4 minibatches (AReaL's and M2PO's
-papers' regime): the lag table counts a version as that many optimizer steps; give such rows their sync, run the
-same way, in an ``--out`` of their own. The cores are shared by every process of a run, as a user's single machine shares them; with
-``--pin-engine-core`` the engine has core 0 to itself and everything else the other cores.
+Runs go one after another, seeds outermost, so a grid cut short still holds every configuration for the seeds it
+finished. ``--n-eval``, ``--warm-target`` and ``--warm-check-every`` give the script another eval set or warm start
+(its N_EVAL, WARM_TARGET, WARM_CHECK_EVERY; each run records them, with PROMPTS, SAMPLES and LR where set, as
+``task_env``). ``--extra "--train.batch_size 256"`` trains each batch in 4 minibatches (AReaL's and M2PO's papers'
+regime; M2PO's mask is taken once a batch, so ``--algo.m2po_tau`` refuses it): the lag table counts a version as
+that many optimizer steps; give such rows their sync, run the same way, in an ``--out`` of their own. The cores are
+shared by every process of a run, as a user's single machine shares them; with ``--pin-engine-core`` the engine has
+core 0 to itself and everything else the other cores.
 
 Writes into ``--out``: ``results.json`` (per run: the eval curve as [step, seconds since launch, seconds since
 the first step's log, accuracy], each eval's own stamp as [step, weight version, seconds since the first step's
