@@ -502,8 +502,11 @@ def steps_per_version(run: Dict) -> int:
     if train_batch is None:
         return epochs
     env = run.get("task_env") or {}
-    prompts = int(flag_value(flags, "--rollout.batch_size", env.get("PROMPTS", script_default("PROMPTS"))))
-    samples = int(flag_value(flags, "--rollout.n_samples_per_prompt", env.get("SAMPLES", script_default("SAMPLES"))))
+    size = {
+        name: int(flag_value(flags, flag) or env.get(name) or script_default(name))  # the script read only if needed
+        for name, flag in (("PROMPTS", "--rollout.batch_size"), ("SAMPLES", "--rollout.n_samples_per_prompt"))
+    }
+    prompts, samples = size["PROMPTS"], size["SAMPLES"]
     if (prompts * samples) % int(train_batch):
         raise ValueError(f"--train.batch_size {train_batch} does not divide the rollout batch {prompts} x {samples}")
     return epochs * prompts * samples // int(train_batch)
