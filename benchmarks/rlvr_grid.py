@@ -535,8 +535,10 @@ def curve_at(run: Dict, name: str, step: int) -> Optional[float]:
 
 def delayed(run: Dict, k: int, start_value: float, steps: List[int]) -> Dict:
     """``run`` as if everything it did came ``k`` optimizer steps later: its eval curve (the start's value at step 0,
-    straight lines between evals) read at each eval step less ``k``, the start before step 0. A reference for a lag
-    of K steps, not a run: what a pure delay of sync by K steps would keep of its gain."""
+    straight lines between evals) read at each eval step less ``k`` over the run's own optimizer steps a version
+    (the curve's steps are versions: a sync run of 4 minibatches a batch is 16 optimizer steps late 4 versions on),
+    the start before step 0. A reference for a lag of K steps, not a run: what a pure delay of sync by K steps would
+    keep of its gain."""
     points = [(0, start_value)] + [(int(e[0]), e[3]) for e in run["eval"] if int(e[0]) in steps]
 
     def at(step: float) -> float:
@@ -547,7 +549,8 @@ def delayed(run: Dict, k: int, start_value: float, steps: List[int]) -> Dict:
                 return va + (vb - va) * (step - a) / (b - a)
         return points[-1][1]
 
-    return {**run, "eval": [[s, None, None, at(s - k)] for s, _ in points[1:]]}
+    late = k / steps_per_version(run)
+    return {**run, "eval": [[s, None, None, at(s - late)] for s, _ in points[1:]]}
 
 
 def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[int]) -> List[str]:
@@ -595,8 +598,9 @@ def lag_table(results: Dict[str, List[Dict]], start_value: float, steps: List[in
         "come from them) and the weights after one optimizer step score: how far one step moves the policy. Final "
         "gain: (final − start) over sync's of the same seed, final = the mean of the last two evals: the anchors' "
         "measure (their tables compare final scores), blind to the K steps by which a lag delays everything, where "
-        "the AUC's gain counts them. Sync delayed K steps: sync's own curve read K steps late (straight lines between "
-        "its evals), a reference, not a run: what a lag costs if it only delays.",
+        "the AUC's gain counts them. Sync delayed K steps: sync's own curve read K optimizer steps late (straight "
+        "lines between its evals; K over sync's own optimizer steps a version, in versions), a reference, not a run: "
+        "what a lag costs if it only delays.",
         "",
         "| configuration | K (versions / optimizer steps) | seeds | gain × sync's, per seed | final gain × sync's, "
         "per seed | below start at step | to 0.9× sync's final (steps) | r | k1(μ‖π_prox), per seed | ESS/B, per seed "

@@ -547,6 +547,16 @@ def test_a_version_is_as_many_optimizer_steps_as_epochs_times_minibatches(tmp_pa
     text = "\n".join(rlvr_grid.lag_table(results, 0.2, [25, 50]))
     assert "| stale k16: AReaL (decoupled) | 16 / 64 | 1 |" in text
     assert "| sync delayed 64 steps (computed) | – / 64 |" in text
+    # a sync of 4 minibatches a batch is its own reference: 4 versions at 4 steps are 16 steps, and read 16 steps late
+    # its curve is 4 versions late: 0.2 + 0.1 · 21/25 = 0.284 at 25, 0.3 + 0.2 · 21/25 = 0.468 at 50, an AUC gain of
+    # 0.176 against its 0.2: 0.88× (read 16 versions late it would be 0.2 + 0.1 · 9/25 = 0.236 and 0.372: 0.52×)
+    sync4 = {**sync, "flags": ["--train.batch_size", "256"]}
+    lagged4 = {**lagged, "flags": ["--train.stale_k", "4", "--train.batch_size", "256"]}
+    text = "\n".join(
+        rlvr_grid.lag_table({"sync | none": [sync4], "stale k4 | AReaL (decoupled)": [lagged4]}, 0.2, [25, 50])
+    )
+    assert "| stale k4: AReaL (decoupled) | 4 / 16 | 1 |" in text
+    assert "| sync delayed 16 steps (computed) | – / 16 | 1 | 0.88 | 0.88 | – |" in text
 
 
 def test_the_lag_tables_final_gain_is_the_last_two_evals_not_the_area():
