@@ -502,11 +502,11 @@ def steps_per_version(run: Dict) -> int:
     if train_batch is None:
         return epochs
     env = run.get("task_env") or {}
-    size = {
-        name: int(flag_value(flags, flag) or env.get(name) or script_default(name))  # the script read only if needed
-        for name, flag in (("PROMPTS", "--rollout.batch_size"), ("SAMPLES", "--rollout.n_samples_per_prompt"))
-    }
-    prompts, samples = size["PROMPTS"], size["SAMPLES"]
+
+    def size(name: str, flag: str) -> int:  # the flag, else the run's task settings, else the script (read only then)
+        return int(flag_value(flags, flag) or env.get(name) or script_default(name))
+
+    prompts, samples = size("PROMPTS", "--rollout.batch_size"), size("SAMPLES", "--rollout.n_samples_per_prompt")
     if (prompts * samples) % int(train_batch):
         raise ValueError(f"--train.batch_size {train_batch} does not divide the rollout batch {prompts} x {samples}")
     return epochs * prompts * samples // int(train_batch)
