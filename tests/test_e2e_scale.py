@@ -1,14 +1,18 @@
-"""The CLI end to end at more than one process per role: two actor ranks under ZeRO-3, and a run
-with a reference model and a critic, each with our corrections on. Every feature's metrics reach tensorboard
-at every step; the ESS and TIS numbers are recomputed from the audit trail, independently of the code under test."""
+"""The CLI end to end at more than one process per role: two actor ranks under ZeRO-3 (whose final save is made to
+fail), and a run with a reference model and a critic, each with our corrections on. Every feature's metrics reach
+tensorboard at every step; the ESS and TIS numbers are recomputed from the audit trail, independently of the code under
+test."""
 
 import glob
 import math
 import os
+import re
+import shutil
 
 import pytest
 import torch
 
+from tests.helpers import fault_injection
 from tests.helpers.e2e import run_cli, tiny_args
 from tests.test_e2e_cli import _check_run
 
@@ -113,6 +117,18 @@ def _recomputed(batch: dict) -> dict:
     }
 
 
+def _check_failed_final_save(log: str, fallback) -> None:
+    """Rank 0's final save failed (ENOSPC injected): our line ends the run naming the cause and the fallback folder
+    (``fallback``: its match in the log), and the model there is whole."""
+    from transformers import AutoModelForCausalLM
+
+    ours = [line for line in log.splitlines() if line.startswith("openrlhf-ess: error:")]
+    assert len(ours) == 1 and "the trained model could not be written to --ckpt.output_dir" in ours[0], log[-5000:]
+    assert f"(No space left on device (injected by {fault_injection.FINAL_SAVE_ENV})" in ours[0], ours
+    assert fallback and fallback.group(0) in ours[0], ours
+    AutoModelForCausalLM.from_pretrained(fallback.group(1))
+
+
 @pytest.mark.stack
 def test_two_actor_ranks_zero3_with_ess_lr_tis_and_interrupt_prox(tiny_world, tmp_path):
     """Two DeepSpeed actor ranks under ZeRO-3 (one vLLM engine, 3 logical GPUs), async + partial rollouts, ESS-LR,
@@ -128,7 +144,14 @@ def test_two_actor_ranks_zero3_with_ess_lr_tis_and_interrupt_prox(tiny_world, tm
 
     3 steps, not 2: how many tokens of the next batch the engine samples before a sync is a race with the
     trainer's step (measured 1 to ~480 of ~480 at the first sync on a loaded machine); two syncs make a run
-    without any stale token unlikely."""
+    without any stale token unlikely.
+
+    The final save then fails on rank 0 (``ENOSPC``, injected by the test launcher tests/helpers/fault_injection.py,
+    as a full disk makes it fail): under ZeRO-3 both ranks gather the weights, then rank 0 writes, and its failure
+    must not leave rank 1 waiting in upstream's closing barrier or in the fallback's gather (the ranks agree after
+    each attempt). The run ends with exit 1, our line names the cause and the fallback folder, which holds the whole
+    trained model (it loads); no process and no /dev/shm file is left. (The sync run's failed save, with the second
+    run refused and the resume from a broken checkpoint, is tests/test_outputs_e2e.py's sequence.)"""
     steps = 3
     run_dir, audit = str(tmp_path), str(tmp_path / "audit")
     args = tiny_args(tiny_world, run_dir, steps_prompts=8 * steps)
@@ -137,8 +160,18 @@ def test_two_actor_ranks_zero3_with_ess_lr_tis_and_interrupt_prox(tiny_world, tm
     flags = ["--train.async_enable", "--train.partial_rollout_enable", "--algo.prox_mode", "interrupt"]
     flags += ["--algo.ess_lr_enable", "--algo.ess_lr_weight", "seq_product", "--algo.tis_cap", "2"]
     flags += ["--rollout.top_p", "0.8", "--algo.prox_audit_dir", audit]
-    rc, log = run_cli(args + flags, run_dir, timeout=RUN_TIMEOUT)
-    scalars = _check_run(run_dir, rc, _without_teardown_traceback(log), steps=steps)
+    env = {fault_injection.FINAL_SAVE_ENV: "ENOSPC"}
+    rc, log = run_cli(args + flags, run_dir, timeout=RUN_TIMEOUT, launcher=fault_injection.LAUNCHER, env=env)
+    fallback = re.search(r"it was written to (\S+) instead", log)
+    try:
+        _check_failed_final_save(log, fallback)
+    finally:
+        if fallback and os.path.basename(fallback.group(1)).startswith("openrlhf_ess_model_"):
+            shutil.rmtree(fallback.group(1), ignore_errors=True)
+    # quiet up to the last step (no traceback, the checks of _check_run); the failed save's error follows it
+    lines = log.splitlines(keepends=True)
+    last_step = max((i for i, line in enumerate(lines) if "Global step" in line), default=len(lines))
+    scalars = _check_run(run_dir, rc, "".join(lines[: last_step + 1]), steps=steps, rc_expected=1)
     _every_step(scalars, "train/reward")  # finite at every step
 
     rho = _check_ess_lr(scalars)

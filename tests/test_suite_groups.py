@@ -98,13 +98,14 @@ def test_the_group_is_found_from_the_source(tmp_path):
 
 def test_the_fault_tests_are_in_the_group():
     """The runs that must never overlap another Ray instance, read from the suite itself."""
-    from tests import test_faults, test_outputs_e2e, test_resume, test_signals
+    from tests import test_e2e_scale, test_faults, test_outputs_e2e, test_resume, test_signals
 
     for function in (
         test_resume.test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts,
         test_faults.test_a_signalled_run_cleans_up_at_any_point,
         test_faults.test_engine_killed_mid_rollout_fails_fast,
-        test_outputs_e2e.test_a_failed_final_save_under_zero3_with_two_ranks_does_not_hang,
+        test_outputs_e2e.test_a_failed_final_save_a_second_run_and_a_broken_checkpoint,
+        test_e2e_scale.test_two_actor_ranks_zero3_with_ess_lr_tis_and_interrupt_prox,
         test_signals.test_bare_ray_init_aborts_a_slow_clean_up_after_sigterm,
     ):
         assert starts_real_stack(_item(function)), function.__name__
