@@ -5,6 +5,7 @@ private Ray instance, Ray workers, vLLM's engine processes) is tracked by PID an
 is still alive after the run is reported as a leftover, then ended by that PID (tests/helpers/faults.py).
 """
 
+import contextlib
 import math
 import os
 import signal
@@ -192,16 +193,26 @@ def test_a_signalled_run_cleans_up_at_any_point(tiny_world, tmp_path, capsys, ca
     ray.init() reached Abseil's handler (Ray's core worker), which aborts the driver 3 s later (exit 134) with the
     clean-up unfinished, depending on timing. Files are attributed to the run by the processes seen using them, so
     other runs on the machine (which change the global count, printed) are not counted. A CPU-burning process runs
-    beside the run throughout (tests/helpers/burner.py): clean-up must hold under load."""
+    beside the run from the moment it is signalled to its end (tests/helpers/burner.py): the clean-up must hold under
+    load. (Started then, not with the run: its start-up is not what is tested, and a core burned all through it cost
+    the gate a minute or two of CPU.)"""
     from tests.helpers.burner import cpu_burner
 
     sig, group, reached = SIGNAL_POINTS[case]
     run_dir = str(tmp_path)
     args = tiny_args(tiny_world, run_dir)
-    at_the_point = signal_at(lambda tree: reached(run_dir, tree), sig, group, case, run_dir, limit_s=480)
-    with cpu_burner(limit_s=660) as burner:  # a second job on the cores, as on a shared node
+    with contextlib.ExitStack() as burning:
+        burners = []  # a second job on the cores, as on a shared node, started right before the signal
+
+        def load():
+            burners.append(burning.enter_context(cpu_burner(limit_s=660)))
+
+        at_the_point = signal_at(
+            lambda tree: reached(run_dir, tree), sig, group, case, run_dir, limit_s=480, before=load
+        )
         run = run_cli_tracked(args, run_dir, timeout=600, during=at_the_point, new_session=group)
-        assert burner.poll() is None, "the CPU burner ended before the run: the run was not under load"
+        assert burners, "the run was never signalled"
+        assert burners[0].poll() is None, "the CPU burner ended before the run: the clean-up was not under load"
     with capsys.disabled():
         counts = f"/dev/shm entries before / after: {run.shm_counts} (machine-wide)"
         print(f"\n{case} at {at_the_point.points}: {counts}, rc {run.rc}")

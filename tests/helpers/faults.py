@@ -89,11 +89,11 @@ def run_cli_tracked(
     return TrackedRun(rc, text, seconds, ended_at, timed_out, leftovers, len(tree.seen), tree.shm_left(), shm_counts)
 
 
-def signal_at(reached, sig: signal.Signals, group: bool, what: str, run_dir: str, limit_s: float):
+def signal_at(reached, sig: signal.Signals, group: bool, what: str, run_dir: str, limit_s: float, before=None):
     """A ``during`` for :func:`run_cli_tracked`: wait until ``reached(tree)`` returns a point of the run's own progress
     (looked at every 10 ms; the run must not end first, nor take more than ``limit_s``), append it to the returned
-    function's ``points`` and send ``sig`` to the CLI, or to its whole process group when ``group`` (then start the
-    run with ``new_session=True``: Slurm's scancel, Kubernetes)."""
+    function's ``points``, call ``before()`` if given, and send ``sig`` to the CLI, or to its whole process group
+    when ``group`` (then start the run with ``new_session=True``: Slurm's scancel, Kubernetes)."""
 
     def during(proc, tree):
         deadline = time.time() + limit_s
@@ -103,6 +103,8 @@ def signal_at(reached, sig: signal.Signals, group: bool, what: str, run_dir: str
             assert time.time() < deadline, f"{what}: not reached within {limit_s:.0f} s"
             time.sleep(0.01)
         during.points.append(point)
+        if before is not None:
+            before()
         if group:
             os.killpg(proc.pid, sig)
         else:
