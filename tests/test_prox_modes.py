@@ -228,14 +228,14 @@ def test_hilton_ewma_recomputes_prox_for_every_minibatch(tiny_world, tmp_path, r
 @pytest.mark.parametrize(
     "mode, extra",
     [
-        # the stack tier (pytest.ini), which CI runs after the default suite (scripts/test.sh). The default suite's
-        # exact-π_prox pipeline run is the resumed interrupt run of tests/test_resume.py's kill-and-resume
-        # case, with this test's checks
-        pytest.param("snapshot", [], marks=pytest.mark.stack, id="snapshot-extra0"),
+        # slow: every check of this run runs in the gate on the resumed run of tests/test_resume.py's snapshot
+        # kill-and-resume case (the same flags, held at the span gate)
+        pytest.param("snapshot", [], marks=pytest.mark.slow, id="snapshot-extra0"),
         # slow: every check of this run runs in the gate twice, on the kill-and-resume case's resumed interrupt
-        # run (the reload sync, above) and on tests/test_broadcast_sync.py::test_broadcast_interrupt_zero3_exact
+        # run (the reload sync) and on tests/test_broadcast_sync.py::test_broadcast_interrupt_zero3_exact
         # (upstream's broadcast, ZeRO-3, stack tier), both held at the span gate
         pytest.param("interrupt", [], marks=pytest.mark.slow, id="interrupt-extra1"),
+        # the stack tier (pytest.ini), which CI runs beside the default suite (scripts/test.sh)
         pytest.param("dedicated", [], marks=pytest.mark.stack, id="dedicated-extra2"),
         # ZeRO-3 shards the actor: the dedicated model gets the gathered weights at every sync
         pytest.param("dedicated", ["--ds.zero_stage", "3"], marks=pytest.mark.slow, id="dedicated-zero3"),

@@ -312,11 +312,12 @@ def _queue_files_in_ledgers(state) -> list:
         # exact mode; partial rollouts, one vLLM call per step; SIGKILL to the group: the engine in vLLM CPU's own
         # layout, whose /dev/shm queues the SIGKILL leaves for the resumed run to sweep
         ("interrupt", ("after_save", 1), None, False, "SIGKILL-group"),
-        # exact; one vLLM call per 2 steps: prompts buffered at save; SIGTERM to the CLI alone mid-step (the run
-        # held after step 2's batch was made until then)
-        ("snapshot", ("mid_step", 1), 16, False, "SIGTERM"),
+        # exact, from weight snapshots; SIGTERM to the CLI alone mid-step (the run held after step 2's batch was made
+        # until then); its resumed run is the snapshot mode's exact-π_prox pipeline run (below)
+        ("snapshot", ("mid_step", 1), None, False, "SIGTERM"),
         # SIGTERM to the whole group mid-save (Slurm's scancel, Kubernetes; the run held before the sidecar until
-        # then), and the newest checkpoint left half-written (simulated after the stop)
+        # then), and the newest checkpoint left half-written (simulated after the stop); one vLLM call per 2 steps:
+        # prompts buffered at save
         ("ewma", ("mid_save", 3), 16, True, "SIGTERM-group"),
     ],
 )
@@ -358,11 +359,14 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     args += ["--vllm.dtype", "float32", "--algo.prox_mode", mode, "--algo.prox_audit_dir", audit]
     args += ["--ckpt.save_steps", "1", "--ckpt.load_enable"]  # upstream keeps the newest 3
     args += ["--train.num_episodes", str(EPISODES)]
-    # Steps of a few s; the interrupt case's responses are long, as test_prox_modes' pipeline run has them: generating
+    # Steps of a few s; the exact modes' responses are long, as test_prox_modes' pipeline run has them: generating
     # a batch takes longer than training on the one before, so responses in flight span the weight syncs
-    tokens, max_len = ("160", "192") if mode == "interrupt" else ("48", "96")
+    pipeline = mode in ("interrupt", "snapshot")
+    tokens, max_len = ("160", "192") if pipeline else ("48", "96")
     for flag, value in (("--rollout.max_new_tokens", tokens), ("--data.max_len", max_len)):
         args[args.index(flag) + 1] = value
+    if mode == "snapshot":
+        args += ["--algo.prox_snapshots", "3"]  # as test_prox_modes' pipeline run keeps them
     if gen_batch:
         args += ["--rollout.vllm_generate_batch_size", str(gen_batch)]
     ckpt = args[args.index("--ckpt.path") + 1]
@@ -448,9 +452,9 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
         assert left, f"SIGKILL left none of {recorded} in /dev/shm: the sweep is not tested"
     count = len(os.listdir("/dev/shm"))
 
-    # same command; ended on any exit. The interrupt case's resumed run checks responses spanning a sync: its engine
+    # same command; ended on any exit. The exact cases' resumed runs check responses spanning a sync: the engine
     # holds a batch in flight at the span gate until the sync (tests/helpers/span_gate.py), not by chance
-    gate = os.path.join(run_dir, "span_gate") if mode == "interrupt" else ""
+    gate = os.path.join(run_dir, "span_gate") if pipeline else ""
     second = run_cli_tracked(
         args,
         run_dir,
@@ -490,19 +494,20 @@ def test_killed_at_a_point_of_its_progress_resumes_without_losing_prompts(
     if mode in ("interrupt", "snapshot"):
         checked, stale, mixed, worst, gap = audit_exactness(audit, tiny_world["model"], batches)
         assert checked > 50 and worst < 1e-4, (checked, worst)
-    if mode == "interrupt":
-        # The resumed run is the default suite's exact-π_prox async pipeline run: the checks of
-        # tests/test_prox_modes.py::test_exact_modes_through_the_whole_async_partial_pipeline, whose own interrupt run
-        # is slow (the stack tier's broadcast run checks the same over upstream's broadcast). Every stale token
-        # scored at the sync that retired its version, in-flight prefixes included; recompute (the current
-        # weights) would differ, so the test can fail.
+    if pipeline:
+        # The resumed run is the exact-π_prox async pipeline run of its mode: the checks of
+        # tests/test_prox_modes.py::test_exact_modes_through_the_whole_async_partial_pipeline, whose own interrupt and
+        # snapshot runs are slow (the stack tier's broadcast run checks interrupt's over upstream's broadcast).
+        # Interrupt scores every stale token at the sync that retired its version, in-flight prefixes included;
+        # snapshot when the batch is consumed. Recompute (the current weights) would differ, so the test can fail.
         tb = read_tensorboard(run_dir)
         # the resumed run logged the steps after the loaded checkpoint, to the end (tests/test_prox_modes.py::
         # test_killed_between_steps_resumes_exactly, slow, checks the same after a kill at step 2)
         assert sorted({s for s, _ in tb["train/reward"]}) == list(range(restored + 1, STEPS + 1)), tb["train/reward"]
         assert sum(v for _, v in tb["train/prox/masked_missing_tokens"]) == 0
-        assert sum(v for _, v in tb["train/prox/sync_scored_tokens"]) > 0
-        print(f"[exactness] interrupt, resumed: {checked} tokens, {stale} stale, {mixed} spanning a sync, ", end="")
+        if mode == "interrupt":
+            assert sum(v for _, v in tb["train/prox/sync_scored_tokens"]) > 0
+        print(f"[exactness] {mode}, resumed: {checked} tokens, {stale} stale, {mixed} spanning a sync, ", end="")
         print(f"worst {worst:.1e}, recompute off by {gap:.2e}")
         assert checked > 200 and stale > 0, (checked, stale)
         assert span_gate.held(gate), "the span gate never held a step: no sync was made to land inside a batch"
