@@ -116,3 +116,19 @@ def test_the_shm_op_is_built_at_install():
     if not root:
         pytest.skip("TORCH_EXTENSIONS_DIR is not set: run through scripts/test.sh (scripts/env_cpu.sh)")
     assert os.path.isfile(os.path.join(root, "deepspeed_shm_comm", "deepspeed_shm_comm.so"))
+
+
+def test_the_venv_is_byte_compiled_at_install():
+    """scripts/bootstrap_cpu.sh byte-compiles the installed packages itself (pip runs with --no-compile, then
+    compileall on every core): where PYTHONDONTWRITEBYTECODE=1 is set Python never writes a .pyc at import, so
+    without them every process of every run would compile the stack's sources again (docs/install.md)."""
+    import importlib.util
+
+    script = open(os.path.join(os.path.dirname(__file__), "..", "scripts", "bootstrap_cpu.sh")).read()
+    assert "--no-compile" in script and "-m compileall" in script
+    # the packages' sources, found without importing them; one module deep in torch too
+    sources = [importlib.util.find_spec(name).origin for name in ("torch", "vllm", "deepspeed", "transformers", "ray")]
+    sources.append(os.path.join(os.path.dirname(sources[0]), "nn", "functional.py"))
+    for source in sources:
+        cached = importlib.util.cache_from_source(source)
+        assert os.path.isfile(cached), f"no {cached}: {source} was not byte-compiled"
