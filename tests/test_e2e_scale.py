@@ -20,6 +20,11 @@ SAMPLES = 32  # per step: 8 prompts x 4 samples, over all actor ranks
 RUN_TIMEOUT = 1080  # s; 1-2 min each on 2 cores, far more when other test runs share them
 
 
+def _last_step(lines: list) -> int:
+    """The index of the run's last "Global step" line (past the end if there is none)."""
+    return max((i for i, line in enumerate(lines) if "Global step" in line), default=len(lines))
+
+
 def _without_teardown_traceback(log: str) -> str:
     """The log without Ray's teardown message, if any: after the run, Ray's worker SIGTERM handler can raise
     SystemExit inside a finalizer (``ActorHandle.__del__``) of a Ray actor being torn down, and Python prints
@@ -27,7 +32,7 @@ def _without_teardown_traceback(log: str) -> str:
     exits all the same). Only that block is dropped, and only after the run's last step: any other traceback
     still fails the run."""
     lines = log.splitlines(keepends=True)
-    last_step = max((i for i, line in enumerate(lines) if "Global step" in line), default=len(lines))
+    last_step = _last_step(lines)
     out, i = lines[: last_step + 1], last_step + 1
     while i < len(lines):
         if "Exception ignored in: <function ActorHandle.__del__" in lines[i]:
@@ -170,8 +175,7 @@ def test_two_actor_ranks_zero3_with_ess_lr_tis_and_interrupt_prox(tiny_world, tm
             shutil.rmtree(fallback.group(1), ignore_errors=True)
     # quiet up to the last step (no traceback, the checks of _check_run); the failed save's error follows it
     lines = log.splitlines(keepends=True)
-    last_step = max((i for i, line in enumerate(lines) if "Global step" in line), default=len(lines))
-    scalars = _check_run(run_dir, rc, "".join(lines[: last_step + 1]), steps=steps, rc_expected=1)
+    scalars = _check_run(run_dir, rc, "".join(lines[: _last_step(lines) + 1]), steps=steps, rc_expected=1)
     _every_step(scalars, "train/reward")  # finite at every step
 
     rho = _check_ess_lr(scalars)
