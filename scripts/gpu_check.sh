@@ -35,7 +35,7 @@ else
 fi
 if [ ${#wheels[@]} -gt 0 ]; then
   export GPU_CHECK_SITE=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
-  GPU_CHECK_WHEELS_LOG=$(mktemp /tmp/gpu_check_pip.XXXXXX)
+  GPU_CHECK_WHEELS_LOG=$(mktemp -t gpu_check_pip.XXXXXX)  # $TMPDIR, else /tmp; the runner removes it
   GPU_CHECK_WHEELS_FILES=$(for w in "${wheels[@]}"; do basename "$w"; done | tr '\n' ' ')
   echo "[gpu_check] installing ${#wheels[@]} wheels from $WHEELS into $GPU_CHECK_SITE (offline)"
   PIP_CONFIG_FILE=/dev/null "$PY" -m pip install --no-index --find-links "$WHEELS" --no-deps --no-compile \

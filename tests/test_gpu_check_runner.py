@@ -19,12 +19,16 @@ CHECK_1 = ["1.all_reduce_max", "1.all_gather_rows", "1.agree", "1.score_streams"
 
 def _run(tmp_path, *args, timeout=600, **env_vars):
     """The shell entry point, the report under $OUT; a --device cpu run installs no wheels (GPU_WHEELS unset)."""
-    env = dict(os.environ, OUT=str(tmp_path))
+    temp = tmp_path / "temp"  # the runner's own temporary files go here, and none may be left
+    temp.mkdir(exist_ok=True)
+    env = dict(os.environ, OUT=str(tmp_path), TMPDIR=str(temp))
     env.pop("GPU_WHEELS", None)
     env.update(env_vars)
     run = subprocess.run(
         ["bash", "scripts/gpu_check.sh", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
+    left = [name for name in os.listdir(temp) if name.startswith("gpu_check")]  # the pip log, the units' parts
+    assert not left, left
     path = tmp_path / "gpu_check.json"
     assert path.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(path.read_text())

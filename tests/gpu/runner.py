@@ -180,10 +180,13 @@ def orchestrate(args) -> int:
     selected = [k for k, (num, _, _, _) in UNITS.items() if num in args.checks]
     marker = "gpu" if args.device == "cuda" else "not gpu"
     parts: List[str] = []
-    tmp = tempfile.mkdtemp(prefix="gpu_check_units_")
-    with open(log_path, "w") as log:
-        if wheels and os.environ.get("GPU_CHECK_WHEELS_LOG") and os.path.exists(os.environ["GPU_CHECK_WHEELS_LOG"]):
-            log.write(f"{LOG_SEPARATOR}\npip install\n{open(os.environ['GPU_CHECK_WHEELS_LOG']).read()}\n")
+    # the units' JSON and XML parts: merged into the report and the JUnit file, then removed (a context manager)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_units_") as tmp, open(log_path, "w") as log:
+        pip_log = os.environ.get("GPU_CHECK_WHEELS_LOG")
+        if wheels and pip_log and os.path.exists(pip_log):
+            with open(pip_log) as f:
+                log.write(f"{LOG_SEPARATOR}\npip install\n{f.read()}\n")
+            os.remove(pip_log)  # gpu_check.sh's mktemp file: its text is in the log now
         if importlib.util.find_spec("pytest") is None:
             why = (
                 "pytest does not import: the checks are pytest tests (put the wheels of pytest, pluggy, iniconfig "
@@ -246,6 +249,7 @@ def orchestrate(args) -> int:
                 own.append(entry)
             done = [e["status"] for e in got["entries"]] + (["FAIL"] if crashed else [])
             print(f"[gpu_check] unit {key}: {' '.join(done) or 'nothing'} in {time.time() - t0:.0f} s", flush=True)
+        _write_junit(xml_path, [p for p in parts if os.path.exists(p)], own)  # before the parts' folder goes
     info["stubbed"] = sorted({n for stubs in info.get("stubs", {}).values() for n in stubs})
     counts = {s: sum(e["status"] == s for e in entries) for s in STATUSES}
     report = {
@@ -262,7 +266,6 @@ def orchestrate(args) -> int:
         "log": log_path,
         "junit": xml_path,
     }
-    _write_junit(xml_path, [p for p in parts if os.path.exists(p)], own)
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
     _print_report(report, path)
