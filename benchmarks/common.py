@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -256,21 +257,25 @@ def run_cli(args: list, run_dir: str, timeout: int = 600, launcher=None, env=Non
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": run_dir}
     full_env.update({**GPU_ENGINE_LAYOUT, **(env or {})})
     LAST_RUN.clear()
-    with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-        with _Tree(proc.pid) as tree:
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise  # _Tree ends the rest of the run
-    deadline = time.time() + settle
-    while tree.alive() and time.time() < deadline:
-        time.sleep(0.5)
-    left = tree.alive()
-    LAST_RUN.update(leftovers=[f"{p.pid} {tree.seen[p.pid][1]}" for p in left], shm_left=tree.shm_left())
-    end_processes(left)
+    try:
+        with open(os.path.join(run_dir, "log.txt"), "w") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+            with _Tree(proc.pid) as tree:
+                try:
+                    rc = proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                    raise  # _Tree ends the rest of the run
+        deadline = time.time() + settle
+        while tree.alive() and time.time() < deadline:
+            time.sleep(0.5)
+        left = tree.alive()
+        LAST_RUN.update(leftovers=[f"{p.pid} {tree.seen[p.pid][1]}" for p in left], shm_left=tree.shm_left())
+        end_processes(left)
+    finally:  # the run's private Ray folder under /tmp (sockets, ~4 MB of logs), on any exit
+        if "--ray.temp_dir" in args:
+            shutil.rmtree(args[args.index("--ray.temp_dir") + 1], ignore_errors=True)
     return rc, open(os.path.join(run_dir, "log.txt")).read()
 
 
