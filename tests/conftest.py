@@ -141,6 +141,12 @@ def undeclared(items) -> list:
     return [item.nodeid for item in items if not in_real_stack_group(item) and starts_real_stack(item)]
 
 
+# Module-scoped fixtures whose tests must share one worker: tests/gpu's `shared` (a module's entries hand results to
+# the next: split, test_placement_distinct found nothing from test_placement); test_prox_modes' `zero3_two_ranks` (one
+# two-rank launch for three tests: split, each worker would launch it)
+ONE_WORKER_FIXTURES = ("shared", "zero3_two_ranks")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own
 def pytest_collection_modifyitems(config, items):
     missing = undeclared(items)
@@ -156,9 +162,7 @@ def pytest_collection_modifyitems(config, items):
         group = None
         if in_real_stack_group(item):
             group = REAL_STACK_GROUP
-        elif "shared" in getattr(item, "fixturenames", ()):
-            # tests/gpu: a module's entries hand results to the next through the module-scoped `shared` fixture, so
-            # they must run in one worker (split, test_placement_distinct found nothing from test_placement)
+        elif set(ONE_WORKER_FIXTURES) & set(getattr(item, "fixturenames", ())):
             group = "module-" + item.path.stem
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))

@@ -28,9 +28,25 @@ def _run(tiny_world, tmp_path, ranks=1, **kw):
         cmd += [f"--{k}", str(v)]
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    if "configs" in kw:
+        return None  # one result per configuration and rank: the caller reads them
     if ranks == 1:
         return torch.load(out)
     return [torch.load(f"{out}.rank{r}") for r in range(ranks)]
+
+
+# The three ZeRO-3 scenarios over two ranks, in one launch of the helper (one torchrun and its ranks' imports, ~17 busy
+# core-s each, instead of three): each test below reads its own.
+ZERO3_CONFIGS = {"snapshot": "snapshot", "ewma-batch": "ewma:batch", "ewma-hilton": "ewma:hilton"}
+
+
+@pytest.fixture(scope="module")
+def zero3_two_ranks(tiny_world, tmp_path_factory):
+    """{scenario: [rank 0's result, rank 1's]} of the helper under ZeRO-3, two ranks, persistence threshold 100."""
+    tmp = tmp_path_factory.mktemp("zero3_two_ranks")
+    configs = ",".join(ZERO3_CONFIGS.values())
+    _run(tiny_world, tmp, ranks=2, zero_stage=3, persistence_threshold=100, configs=configs)
+    return {name: [torch.load(tmp / f"prox.pt.{i}.rank{r}") for r in range(2)] for i, name in enumerate(ZERO3_CONFIGS)}
 
 
 def _hf_log_probs(model_dir, state, sequences, n_actions):
@@ -113,11 +129,11 @@ def test_snapshot_scores_each_token_with_its_version(tiny_world, tmp_path, zero_
 
 
 @pytest.mark.engine
-def test_zero3_snapshots_are_partitions_swapped_on_every_rank(tiny_world, tmp_path):
+def test_zero3_snapshots_are_partitions_swapped_on_every_rank(tiny_world, zero3_two_ranks):
     """ZeRO-3, two ranks: each rank keeps only its partition of every version (host memory halves), the swap
     reaches both gathered-on-demand and persistent parameters, every token still gets its version's
     weights, and rank 1 — which has no stale token — joins rank 0's swapped forwards (else the gathers hang)."""
-    results = _run(tiny_world, tmp_path, ranks=2, zero_stage=3, mode="snapshot", persistence_threshold=100)
+    results = zero3_two_ranks["snapshot"]
     for rank, res in enumerate(results):
         seqs, n, versions = res["sequences"], res["n_actions"], res["versions"]
         hf = {v: _hf_log_probs(tiny_world["model"], res["states"][v], seqs, n) for v in (0, 1, 2)}
@@ -157,12 +173,10 @@ def _independent_ewma(steps, beta=0.9):  # --algo.prox_ewma_decay default
 
 
 @pytest.mark.engine
-def test_zero3_ewma_averages_partitions(tiny_world, tmp_path):
+def test_zero3_ewma_averages_partitions(tiny_world, zero3_two_ranks):
     """ZeRO-3, two ranks: each rank averages its own partition; swapped in together they are the EWMA of the
     full weights, computed here from the gathered weights after every optimizer step."""
-    results = _run(
-        tiny_world, tmp_path, ranks=2, zero_stage=3, mode="ewma", ewma_style="batch", persistence_threshold=100
-    )
+    results = zero3_two_ranks["ewma-batch"]
     for res in results:
         assert len(res["step_states"]) == 4  # 2 rollouts x 2 optimizer steps
         hf = _hf_log_probs(
@@ -196,12 +210,14 @@ def _independent_hilton_ewma(theta0, steps, beta=0.9):
 
 @pytest.mark.engine
 @pytest.mark.parametrize("ranks,zero_stage", [(1, 0), (2, 3)])
-def test_hilton_ewma_recomputes_prox_for_every_minibatch(tiny_world, tmp_path, ranks, zero_stage):
+def test_hilton_ewma_recomputes_prox_for_every_minibatch(tiny_world, tmp_path, zero3_two_ranks, ranks, zero_stage):
     """--algo.prox_ewma_style hilton: the π_prox each minibatch's loss uses is a forward of the EWMA of θ_0..θ_m as
     it stands after the m optimizer steps before that minibatch, computed here from the gathered weights (HF), not
     the rollout batch's once-per-batch value; under ZeRO-3 each rank averages its partition."""
-    kw = dict(persistence_threshold=100) if zero_stage == 3 else {}
-    results = _run(tiny_world, tmp_path, ranks=ranks, zero_stage=zero_stage, mode="ewma", ewma_style="hilton", **kw)
+    if ranks == 2:  # ZeRO-3, persistence threshold 100: the launch shared with the two tests above
+        results = zero3_two_ranks["ewma-hilton"]
+    else:
+        results = _run(tiny_world, tmp_path, ranks=ranks, zero_stage=zero_stage, mode="ewma", ewma_style="hilton")
     for res in results if ranks > 1 else [results]:
         theta0 = res["states"][0]
         assert len(res["minibatch_prox"]) == 4 and len(res["step_states"]) == 4

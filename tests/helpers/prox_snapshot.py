@@ -3,6 +3,7 @@
     python -m tests.helpers.prox_snapshot MODEL PROMPTS OUT.pt --zero_stage 2 [--mode snapshot|ewma]
     torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port P -m tests.helpers.prox_snapshot \
         MODEL PROMPTS OUT.pt --zero_stage 3 --persistence_threshold 100      (writes OUT.pt.rank0, OUT.pt.rank1)
+    ... --configs snapshot,ewma:batch,ewma:hilton   (one actor after the other in the same ranks: OUT.pt.<i>.rank<r>)
 
 Trains two rollouts with a version advance after each (v0 -> v1 -> v2), keeping its own (gathered, full)
 copy of the weights at each version, then scores one batch whose tokens are tagged with versions 0, 1
@@ -38,12 +39,24 @@ def main() -> None:
     p.add_argument("--mode", default="snapshot")
     p.add_argument("--persistence_threshold", type=int, default=None)
     p.add_argument("--ewma_style", default=None)
+    # several scenarios in one launch (each a new actor; the ranks' start-up and imports paid once): mode[:style],...
+    p.add_argument("--configs", default=None)
     a = p.parse_args()
     if "RANK" not in os.environ:
         single_process_env()
-    extra = ["--vllm.num_engines", "1", "--algo.kl.init_coef", "0", "--algo.prox_mode", a.mode]
-    if a.ewma_style:
-        extra += ["--algo.prox_ewma_style", a.ewma_style]
+    if a.configs is None:
+        scenario(a, a.mode, a.ewma_style, a.out)
+        return
+    for i, config in enumerate(a.configs.split(",")):
+        mode, _, style = config.partition(":")
+        scenario(a, mode, style or None, f"{a.out}.{i}")
+
+
+def scenario(a, mode: str, ewma_style, out: str) -> None:
+    """One actor with ``--algo.prox_mode mode``: two rollouts trained, then one batch of versions 0-2 scored."""
+    extra = ["--vllm.num_engines", "1", "--algo.kl.init_coef", "0", "--algo.prox_mode", mode]
+    if ewma_style:
+        extra += ["--algo.prox_ewma_style", ewma_style]
     overrides = None
     if a.persistence_threshold is not None:
         overrides = {"stage3_param_persistence_threshold": a.persistence_threshold}
@@ -142,12 +155,13 @@ def main() -> None:
         "numels": [getattr(p, "ds_numel", p.numel()) for p in params],
     }
     if torch.distributed.get_world_size() == 1:
-        torch.save(result, a.out)
+        torch.save(result, out)
     else:
-        torch.save(result, f"{a.out}.rank{rank}")
-        torch.distributed.barrier()  # no rank tears gloo down while the other is mid-collective
-        torch.distributed.destroy_process_group()
+        torch.save(result, f"{out}.rank{rank}")
+        torch.distributed.barrier()  # no rank goes on (or tears gloo down) while the other is mid-collective
 
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
