@@ -35,7 +35,7 @@ def _run(tiny_world, tmp_path, ranks=1, **kw):
     return [torch.load(f"{out}.rank{r}") for r in range(ranks)]
 
 
-# The three ZeRO-3 scenarios over two ranks, in one launch of the helper (one torchrun and its ranks' imports, ~17 busy
+# The three ZeRO-3 scenarios over two ranks, in one launch of the helper (one torchrun and its ranks' imports, ~20 busy
 # core-s each, instead of three): each test below reads its own.
 ZERO3_CONFIGS = {"snapshot": "snapshot", "ewma-batch": "ewma:batch", "ewma-hilton": "ewma:hilton"}
 
