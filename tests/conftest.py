@@ -70,6 +70,14 @@ def tiny_world(tmp_path_factory):
     return build_world(str(tmp_path_factory.mktemp("tiny_world")), seed=0, n_prompts=32)
 
 
+@pytest.fixture(scope="session")
+def tied_world(tmp_path_factory):
+    """The tiny world with a tied-embedding Qwen2 (``tie_word_embeddings``), 48 prompts: 6 steps of 8."""
+    from openrlhf_ess.tiny.families import build_family_world
+
+    return build_family_world(str(tmp_path_factory.mktemp("tied_world")), "qwen2_tied", n_prompts=48)
+
+
 # ---- two workers, one real stack at a time (scripts/test.sh runs the suite with pytest-xdist -n 2 --dist loadgroup)
 #
 # A test that starts a Ray instance, the CLI or a Ray cluster is marked ``real_stack`` (a ``stack``-tier test is one

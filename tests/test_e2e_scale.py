@@ -12,10 +12,10 @@ import shutil
 import pytest
 import torch
 
-from openrlhf_ess.tiny.families import build_family_world
 from tests.helpers import fault_injection
 from tests.helpers.e2e import run_cli, tiny_args
 from tests.test_e2e_cli import _check_run
+from tests.test_tied_lm_head_e2e import FLAGS as TIED_HEAD_FLAGS
 from tests.test_tied_lm_head_e2e import check_tied_head_followed
 
 SAMPLES = 32  # per step: 8 prompts x 4 samples, over all actor ranks
@@ -220,7 +220,7 @@ def test_two_actor_ranks_zero3_with_ess_lr_tis_and_interrupt_prox(tiny_world, tm
 
 
 @pytest.mark.stack
-def test_reference_model_and_critic_with_ess_lr_and_tis(tmp_path_factory, tmp_path):
+def test_reference_model_and_critic_with_ess_lr_and_tis(tied_world, tmp_path):
     """GAE with a critic and a KL penalty against a reference model (both on their own logical GPU: upstream's
     default of 8 per node never schedules here), synchronous, with ESS-LR and token TIS. The KL goes into the
     reward (upstream's default; the KL *loss* is in test_e2e_cli's all-corrections run).
@@ -228,14 +228,12 @@ def test_reference_model_and_critic_with_ess_lr_and_tis(tmp_path_factory, tmp_pa
     The model is the tiny Qwen2 with tied embeddings, trained 6 steps at lr 1e-2 with every check at every sync:
     the run of tests/test_tied_lm_head_e2e.py (the engine's LM head follows the trained embedding), whose checks it
     makes (:func:`check_tied_head_followed`); one run for both, each CLI run's start-up costing ~50 busy core-s."""
-    world = build_family_world(str(tmp_path_factory.mktemp("tied_world")), "qwen2_tied", n_prompts=48)
     run_dir = str(tmp_path)
-    args = tiny_args(world, run_dir, steps_prompts=48)  # 6 steps
+    args = tiny_args(tied_world, run_dir, steps_prompts=48)  # 6 steps
     _set(args, "--algo.advantage.estimator", "gae")
     _set(args, "--algo.kl.init_coef", "0.01")
     flags = ["--ref.num_gpus_per_node", "1", "--critic.num_gpus_per_node", "1"]
-    flags += ["--algo.ess_lr_enable", "--algo.tis_cap", "2"]
-    flags += ["--actor.adam.lr", "1e-2", "--vllm.sync_check_canary_every", "1"]  # the tied head's run
+    flags += ["--algo.ess_lr_enable"] + TIED_HEAD_FLAGS  # token TIS (cap 2), lr 1e-2, the checks at every sync
     rc, log = run_cli(args + flags, run_dir, timeout=RUN_TIMEOUT)
     scalars = _check_run(run_dir, rc, _without_teardown_traceback(log), steps=6)
     check_tied_head_followed(scalars, steps=6)

@@ -8,17 +8,12 @@ exited 0. ``tests/test_tied_lm_head.py`` holds the engine-level arithmetic; here
 
 import pytest
 
-from openrlhf_ess.tiny.families import build_family_world
 from tests.helpers import fault_injection
 from tests.helpers.e2e import read_tensorboard, run_cli, tiny_args
 
-# a synchronous run with μ returned (TIS on), a high LR and every check at every sync
+# a synchronous run with μ returned (TIS on), a high LR and every check at every sync (on tests/conftest.py's
+# tied_world; tests/test_e2e_scale.py's run with a reference model and a critic takes them too)
 FLAGS = ["--algo.tis_cap", "2", "--actor.adam.lr", "1e-2", "--vllm.sync_check_canary_every", "1"]
-
-
-@pytest.fixture(scope="module")
-def tied_world(tmp_path_factory):
-    return build_family_world(str(tmp_path_factory.mktemp("tied_world")), "qwen2_tied", n_prompts=48)
 
 
 def check_tied_head_followed(scalars: dict, steps: int) -> None:
